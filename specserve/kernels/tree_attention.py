@@ -1,0 +1,131 @@
+"""Tree attention: verify a draft *tree* in one target forward pass.
+
+Scope
+-----
+The ``q_len`` query tokens of request ``b`` are the nodes of a draft tree whose
+K/V already sit in the paged cache at context positions ``prefix_len + i``
+(``prefix_len = seq_lens[b] - q_len``).  Node order is index order and a parent
+always has a smaller index than its child, so a chain is the causal case.
+
+Mask semantics
+--------------
+Node ``i`` attends to every prefix position (``< prefix_len``) and to node
+``j`` iff bit ``j`` of its mask row is set.  ``tree_mask`` is int32
+[T, ceil(max_query_len / 32)], rows aligned with ``q``; bit ``j % 32`` of word
+``j // 32`` (two's complement, so bit 31 makes the word negative).  Bits at or
+past the request's ``q_len`` must be zero.
+
+Cache / batch layout and GQA are exactly those of ``paged_attention``; with
+``causal_tree_mask`` the result equals ``paged_attention``.  The Triton kernel is
+the paged-attention kernel compiled with ``TREE_MASK=True`` (the mask predicate
+is the only difference; see paged_attention.py for its memory traffic).
+"""
+from typing import Optional
+
+import torch
+
+from .paged_attention import gather_kv, launch_paged_attn, masked_attention_dense
+
+WORD_BITS = 32
+
+
+def num_mask_words(n: int) -> int:
+    return max(1, (int(n) + WORD_BITS - 1) // WORD_BITS)
+
+
+def pack_tree_mask(dense: torch.Tensor, num_words: Optional[int] = None) -> torch.Tensor:
+    """bool [n, m] -> int32 [n, W] with bit j%32 of word j//32 = dense[:, j]."""
+    n, m = dense.shape
+    W = num_words if num_words is not None else num_mask_words(m)
+    assert W * WORD_BITS >= m, "num_words too small for the mask width"
+    bits = torch.zeros(n, W * WORD_BITS, dtype=torch.int64, device=dense.device)
+    bits[:, :m] = dense.to(torch.int64)
+    weights = torch.ones(WORD_BITS, dtype=torch.int64, device=dense.device) << torch.arange(
+        WORD_BITS, device=dense.device)
+    words = (bits.view(n, W, WORD_BITS) * weights).sum(-1)  # [n, W] in [0, 2^32)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # wrap to int32
+    return words.to(torch.int32)
+
+
+def unpack_tree_mask(words: torch.Tensor, m: int) -> torch.Tensor:
+    """int32 [n, W] -> bool [n, m] (inverse of pack_tree_mask)."""
+    n, W = words.shape
+    shifts = torch.arange(WORD_BITS, device=words.device)
+    bits = (words.to(torch.int64)[:, :, None] >> shifts) & 1  # [n, W, 32]
+    return bits.reshape(n, W * WORD_BITS)[:, :m].bool()
+
+
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """parents: long [n] (local indices, -1 = child of the prefix) -> bool [n, n].
+
+    Row i marks i itself and all of its ancestors.
+    """
+    par = [int(p) for p in parents.tolist()]
+    n = len(par)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(par):
+        if p >= 0:
+            if p >= i:
+                raise ValueError(f"parent {p} of node {i} must have a smaller index")
+            anc[i] |= anc[p]
+        elif p != -1:
+            raise ValueError(f"invalid parent {p} for node {i}")
+    return anc.to(parents.device)
+
+
+def tree_mask_from_parents(parents: torch.Tensor, num_words: Optional[int] = None) -> torch.Tensor:
+    """parents: long [n] -> int32 [n, W]: each node sees itself and its ancestors."""
+    return pack_tree_mask(tree_ancestors(parents), num_words)
+
+
+def causal_tree_mask(n: int, num_words: Optional[int] = None, device=None) -> torch.Tensor:
+    """Chain tree (node i's parent is i - 1): the ordinary causal mask, packed."""
+    parents = torch.arange(n, dtype=torch.long) - 1
+    return tree_mask_from_parents(parents, num_words).to(device or "cpu")
+
+
+def tree_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask,
+                          scale, max_query_len: Optional[int] = None) -> torch.Tensor:
+    # q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
+    # block_tables: int32 [B, max_blocks]; seq_lens: int32 [B]; query_start_loc: int32 [B+1];
+    # tree_mask: int32 [T, W]
+    return launch_paged_attn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                             max_query_len, tree_mask=tree_mask.contiguous())
+
+
+def tree_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask,
+                       scale, max_query_len: Optional[int] = None) -> torch.Tensor:
+    # Same signature as tree_attention_triton; unpacks the bitmask per request.
+    out = torch.empty_like(q)
+    qsl = query_start_loc.tolist()
+    sl = seq_lens.tolist()
+    for b in range(len(sl)):
+        s0, s1, seq_len = qsl[b], qsl[b + 1], sl[b]
+        n = s1 - s0
+        if n == 0:
+            continue
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len)
+        prefix = torch.ones(n, seq_len - n, dtype=torch.bool, device=q.device)
+        nodes = unpack_tree_mask(tree_mask[s0:s1], n).to(q.device)
+        mask = torch.cat([prefix, nodes], dim=1)  # [n, seq_len]
+        out[s0:s1] = masked_attention_dense(q[s0:s1], k, v, mask, scale)
+    return out
+
+
+def dense_mask_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dense_mask,
+                             scale, max_query_len: Optional[int] = None) -> torch.Tensor:
+    """Attention with an explicit mask over context positions.
+
+    dense_mask: bool [T, >= max(seq_lens)]; row t (aligned with q) marks which
+    context positions 0..seq_len-1 of its request the query may attend to.
+    """
+    out = torch.empty_like(q)
+    qsl = query_start_loc.tolist()
+    sl = seq_lens.tolist()
+    for b in range(len(sl)):
+        s0, s1, seq_len = qsl[b], qsl[b + 1], sl[b]
+        if s1 == s0:
+            continue
+        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len)
+        out[s0:s1] = masked_attention_dense(q[s0:s1], k, v, dense_mask[s0:s1, :seq_len], scale)
+    return out
