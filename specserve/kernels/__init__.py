@@ -1,0 +1,81 @@
+"""Attention, KV-cache and rejection-sampling kernels with backend dispatch.
+
+Every op has a Triton implementation (``*_triton``) and a plain PyTorch
+reference with the same signature (``*_ref``).  The unsuffixed names dispatch
+on the device of their first tensor argument via :func:`use_triton`:
+
+* CUDA tensors and triton importable -> Triton kernel;
+* otherwise (CPU) -> PyTorch reference;
+* env ``SPECSERVE_KERNELS=triton|torch`` forces one backend (Triton on CPU only
+  works with ``TRITON_INTERPRET=1`` set before triton is first imported).
+
+Importing this package never requires triton.
+"""
+import os
+from typing import Optional
+
+import torch
+
+from .kv_write import compact_kv_ref, compact_kv_triton, write_kv_ref, write_kv_triton
+from .paged_attention import HAS_TRITON, paged_attention_ref, paged_attention_triton
+from .rejection import rejection_sample_ref, rejection_sample_triton
+from .tree_attention import (
+    causal_tree_mask,
+    dense_mask_attention_ref,
+    pack_tree_mask,
+    tree_attention_ref,
+    tree_attention_triton,
+    tree_mask_from_parents,
+    unpack_tree_mask,
+)
+
+__all__ = [
+    "HAS_TRITON", "use_triton",
+    "paged_attention", "paged_attention_ref", "paged_attention_triton",
+    "tree_attention", "tree_attention_ref", "tree_attention_triton", "dense_mask_attention_ref",
+    "tree_mask_from_parents", "causal_tree_mask", "pack_tree_mask", "unpack_tree_mask",
+    "write_kv", "write_kv_ref", "write_kv_triton",
+    "compact_kv", "compact_kv_ref", "compact_kv_triton",
+    "rejection_sample", "rejection_sample_ref", "rejection_sample_triton",
+]
+
+
+def use_triton(device) -> bool:
+    """True when ops on ``device`` should run the Triton kernels."""
+    forced = os.environ.get("SPECSERVE_KERNELS", "").strip().lower()
+    if forced == "torch":
+        return False
+    if forced == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError("SPECSERVE_KERNELS=triton but triton is not installed")
+        return True
+    if forced:
+        raise ValueError(f"SPECSERVE_KERNELS must be 'triton' or 'torch', got {forced!r}")
+    return HAS_TRITON and torch.device(device).type == "cuda"
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                    max_query_len: Optional[int] = None) -> torch.Tensor:
+    fn = paged_attention_triton if use_triton(q.device) else paged_attention_ref
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len)
+
+
+def tree_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask, scale,
+                   max_query_len: Optional[int] = None) -> torch.Tensor:
+    fn = tree_attention_triton if use_triton(q.device) else tree_attention_ref
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask, scale, max_query_len)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    fn = write_kv_triton if use_triton(k_cache.device) else write_kv_ref
+    fn(k, v, k_cache, v_cache, slot_mapping)
+
+
+def compact_kv(k_cache, v_cache, src_slots, dst_slots) -> None:
+    fn = compact_kv_triton if use_triton(k_cache.device) else compact_kv_ref
+    fn(k_cache, v_cache, src_slots, dst_slots)
+
+
+def rejection_sample(draft_token_ids, num_draft, draft_probs, target_probs, is_greedy, uniforms, exp_noise):
+    fn = rejection_sample_triton if use_triton(target_probs.device) else rejection_sample_ref
+    return fn(draft_token_ids, num_draft, draft_probs, target_probs, is_greedy, uniforms, exp_noise)
