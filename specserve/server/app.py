@@ -1,0 +1,198 @@
+"""The FastAPI app: routes, API-key check, OpenAI-style error bodies, SSE responses.
+
+`build_app` wires an AsyncEngine (already holding a loaded Engine) to the routes; the app's
+lifespan starts the engine thread and stops it on shutdown. Every error leaves as
+{"error": {"message", "type", "param", "code"}}: 400 for bad input (pydantic's 422 included),
+401 for a bad key, 404 for an unknown model or route, and a catch-all 500 as a safety net.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from typing import Any, AsyncIterator, Awaitable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from specserve.metrics import CONTENT_TYPE, ServerMetrics
+from specserve.server.async_engine import AsyncEngine, EngineDeadError
+from specserve.server.openai_serving import APIError, ServingContext
+from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                                       ModelList)
+from specserve.server.serving_chat import ChatCall
+from specserve.server.serving_completions import CompletionCall
+
+logger = logging.getLogger("specserve.server")
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   type: str = "invalid_request_error", code: Any = None) -> JSONResponse:
+    return JSONResponse(APIError(status, message, param, type, code).body(), status_code=status)
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (so streaming and disconnect detection stay untouched): /v1 needs the key."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "Incorrect API key provided.",
+                                          code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_param(errors: list[dict[str, Any]]) -> str | None:
+    if not errors:
+        return None
+    loc = [str(p) for p in errors[0].get("loc", ()) if p != "body"]
+    return ".".join(loc) or None
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> str:
+    parts = []
+    for err in errors[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        if errors and errors[0].get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON")
+        return error_response(400, _validation_message(errors), _validation_param(errors))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(exc.status_code, str(exc.detail), code=code)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc), type="service_unavailable")
+
+    @app.exception_handler(Exception)
+    async def _anything(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}",
+                              type="internal_error")
+
+
+async def _abort_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work` (a non-streaming request); if the client goes away first, cancel it,
+    which closes its engine stream and so aborts its engine requests."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes the call's engine stream however the response ends (even if never iterated)."""
+
+    def __init__(self, call: ChatCall | CompletionCall) -> None:
+        super().__init__(call.stream_sse(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._call = call
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._call.stream is not None:
+                await self._call.stream.aclose()
+
+
+def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              aliases: list[str] | None = None) -> FastAPI:
+    ctx = ServingContext.create(async_engine, served_model_name, aliases)
+    if async_engine.metrics is None:
+        async_engine.metrics = ServerMetrics(served_model_name)
+    metrics: ServerMetrics = async_engine.metrics
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.stop)
+
+    app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return error_response(503, "the engine is not running", type="service_unavailable")
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/debug/kv")
+    async def debug_kv() -> Response:
+        return JSONResponse(async_engine.kv_snapshot)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> Any:
+        cards = [ModelCard(id=name, root=served_model_name, max_model_len=ctx.max_model_len)
+                 for name in [served_model_name] + ctx.aliases]
+        return ModelList(data=cards)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        call = ChatCall(ctx, body)
+        await call.start()
+        if body.stream:
+            return _SSEResponse(call)
+        return await _abort_on_disconnect(request, call.collect())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        call = CompletionCall(ctx, body)
+        await call.start()
+        if body.stream:
+            return _SSEResponse(call)
+        return await _abort_on_disconnect(request, call.collect())
+
+    return app

@@ -1,0 +1,125 @@
+"""`specserve serve` / `python -m specserve.server`: flags, engine construction, uvicorn.
+
+Shutdown: on SIGTERM (or SIGINT) uvicorn stops accepting connections and waits up to
+--shutdown-timeout seconds for running requests to finish (then cancels them, which aborts
+them in the engine); the app's lifespan then stops the engine thread and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+from specserve.config import DEFAULT_MODEL, EngineConfig, env_str
+
+logger = logging.getLogger("specserve.server")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help=f"model name or Hugging Face model directory (default {DEFAULT_MODEL})")
+    g.add_argument("--served-model-name", default=None,
+                   help="name clients use in `model` (default: the engine's model name)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
+    g.add_argument("--speculative-config", default=None,
+                   help='JSON as in vLLM, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+
+    s = parser.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1 routes "
+                        "(default: $SPECSERVE_API_KEY if set)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds to let running requests finish after SIGTERM")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--no-access-log", dest="access_log", action="store_false")
+    s.add_argument("--stats-interval", type=float, default=5.0,
+                   help="seconds between stats log lines while busy")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.create(
+        args.model, dtype=args.dtype, load_format=args.load_format,
+        max_model_len=args.max_model_len, device=args.device, seed=args.seed,
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        speculative_config=args.speculative_config)
+
+
+def run_server(args: argparse.Namespace, engine: Any = None) -> int:
+    """Build the engine (unless given), serve until SIGTERM/SIGINT; returns the exit code."""
+    import uvicorn
+
+    from specserve.metrics import ServerMetrics, StatsLogger
+    from specserve.server.app import build_app
+    from specserve.server.async_engine import AsyncEngine
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if engine is None:
+        try:
+            config = engine_config_from_args(args)
+        except ValueError as e:
+            print(f"specserve serve: {e}", file=sys.stderr)
+            return 2
+        from specserve.engine import Engine
+        engine = Engine(config)
+
+    name = args.served_model_name or engine.model_name
+    aliases = [a for a in (engine.model_name, args.model) if a and a != name]
+    metrics = ServerMetrics(name)
+    async_engine = AsyncEngine(engine, metrics, StatsLogger(args.stats_interval))
+    api_key = args.api_key or env_str("API_KEY") or None
+    app = build_app(async_engine, name, api_key=api_key, aliases=aliases)
+
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=5))
+
+    # uvicorn re-raises the signal that stopped it once it is done; with this handler in
+    # place a graceful SIGTERM ends in a normal return (exit 0) instead of a kill.
+    stopped_by: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: stopped_by.append(sig))
+    try:
+        logger.info("serving %s on http://%s:%d (max_model_len %s)", name, args.host,
+                    args.port, getattr(engine, "max_model_len", "?"))
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        async_engine.stop()
+    if not server.started:
+        return 1
+    logger.info("server stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve serve",
+                                     description="OpenAI-compatible server for specserve")
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_server(args)
+    except KeyboardInterrupt:
+        return 130

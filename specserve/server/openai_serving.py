@@ -1,0 +1,218 @@
+"""What the chat and completions endpoints share: errors, model names, sampling parameters,
+fan-out of n choices into engine requests, token text for logprobs, usage, SSE framing.
+
+Nothing here talks HTTP; the endpoints in serving_chat / serving_completions return bodies
+or async iterators of SSE strings, and app.py turns them into responses.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.request import RequestOutput, SamplingParams
+from specserve.server.async_engine import AsyncEngine
+from specserve.server.protocol import SpeculationUsage, Usage, _SamplingFields
+
+logger = logging.getLogger("specserve.server")
+
+
+class APIError(Exception):
+    """An error with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = \
+            status, message, param, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def from_value_error(e: ValueError) -> APIError:
+    """SamplingParams and Engine raise ValueError("field: reason"): the field is the param."""
+    text = str(e)
+    head, sep, _ = text.partition(":")
+    param = head.strip() if sep and head.strip().replace("_", "").isalnum() else None
+    return bad_request(text, param)
+
+
+# -- token text ------------------------------------------------------------------------------
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable-character alphabet, inverted: char -> byte."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_TABLE = _byte_level_table()
+
+
+class TokenText:
+    """Display text and raw bytes of single tokens (cached), for logprobs."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self.tokenizer.decode([token_id])
+            hit = (text, self._raw_bytes(token_id, text))
+            self._cache[token_id] = hit
+        return hit
+
+    def _raw_bytes(self, token_id: int, text: str) -> list[int]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece:
+            if all(c in _BYTE_TABLE for c in piece):
+                return [_BYTE_TABLE[c] for c in piece]
+            if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+                try:
+                    return [int(piece[3:5], 16)]
+                except ValueError:
+                    pass
+        return list(text.encode("utf-8"))
+
+
+# -- the serving context ---------------------------------------------------------------------
+
+@dataclass
+class ServingContext:
+    """Everything an endpoint needs; built once per app."""
+
+    async_engine: AsyncEngine
+    served_model_name: str
+    aliases: list[str] = field(default_factory=list)
+    max_model_len: int = 2048
+    tokenizer: Any = None
+    vocab_size: int = 0
+    token_text: TokenText | None = None
+
+    @staticmethod
+    def create(async_engine: AsyncEngine, served_model_name: str,
+               aliases: list[str] | None = None) -> "ServingContext":
+        engine = async_engine.engine
+        # A private copy: the engine thread detokenizes with its own, and Rust tokenizers
+        # do not like concurrent use of one object.
+        try:
+            tokenizer = copy.deepcopy(engine.tokenizer)
+        except Exception:  # noqa: BLE001
+            tokenizer = engine.tokenizer
+        names = list(aliases or [])
+        for name in [getattr(engine, "model_name", None)] + list(getattr(engine, "model_aliases", []) or []):
+            if name and name != served_model_name and name not in names:
+                names.append(name)
+        vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
+        return ServingContext(async_engine, served_model_name, names,
+                              int(getattr(engine, "max_model_len", 2048)), tokenizer, int(vocab),
+                              TokenText(tokenizer))
+
+    def check_model(self, model: str | None) -> None:
+        if model is None or model == self.served_model_name or model in self.aliases:
+            return
+        raise APIError(404, f"The model `{model}` does not exist.", "model",
+                       code="model_not_found")
+
+    def check_prompt_ids(self, token_ids: list[int], param: str) -> None:
+        if not token_ids:
+            raise bad_request("the prompt is empty", param)
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary "
+                              f"[0, {self.vocab_size})", param)
+        if len(token_ids) >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {len(token_ids)} tokens, which leaves no room to generate.",
+                param)
+
+    def resolve_max_tokens(self, requested: int | None, num_prompt_tokens: int,
+                           param: str = "max_tokens") -> int:
+        room = self.max_model_len - num_prompt_tokens
+        if requested is None:
+            return room
+        if requested > room:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in "
+                f"the prompt, {requested} in the completion). Reduce the prompt or {param}.",
+                param)
+        return requested
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None
+                    ) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+def fan_out(base_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
+            prompt: str | None) -> list[tuple[str, list[int], SamplingParams, str | None]]:
+    """n choices -> n engine requests "<id>-<i>"; seeded requests get seed + i."""
+    out = []
+    for i in range(n):
+        p = params
+        if params.seed is not None and i > 0:
+            p = copy.copy(params)
+            p.seed = params.seed + i
+        out.append((f"{base_id}-{i}", prompt_ids, p, prompt))
+    return out
+
+
+async def submit(ctx: ServingContext, requests: list) -> Any:
+    try:
+        return await ctx.async_engine.add_requests(requests)
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+def make_usage(num_prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
+    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    spec = SpeculationUsage(num_draft_tokens=sum(o.num_draft_tokens for o in finals),
+                            num_accepted_tokens=sum(o.num_accepted_tokens for o in finals))
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
+                 total_tokens=num_prompt_tokens + completion, speculation=spec)
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")

@@ -1,0 +1,188 @@
+"""POST /v1/completions: one or many prompts (text or token ids) x n choices.
+
+Choice index = prompt_index * n + i, as OpenAI numbers them. Logprobs follow the legacy
+completions format (tokens, token_logprobs, top_logprobs, text_offset). With echo, the prompt
+text is prepended and its tokens carry null logprobs: the engine does not score prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator
+
+from specserve.request import RequestOutput, TokenLogprob
+from specserve.server.async_engine import RequestStream
+from specserve.server.openai_serving import (SSE_DONE, APIError, ServingContext, bad_request,
+                                             fan_out, make_usage, sampling_params, sse, submit)
+from specserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                       CompletionResponse, now, random_id)
+
+logger = logging.getLogger("specserve.server")
+
+
+def normalize_prompts(ctx: ServingContext, prompt: Any) -> list[tuple[str, list[int]]]:
+    """The request's prompt field -> [(prompt text, prompt token ids)]."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    result = []
+    for item in items:
+        if isinstance(item, str):
+            ids = ctx.tokenizer.encode(item, add_special_tokens=True)
+            text = item
+        else:
+            ids = list(item)
+            ctx.check_prompt_ids(ids, "prompt")
+            text = ctx.tokenizer.decode(ids)
+        ctx.check_prompt_ids(ids, "prompt")
+        result.append((text, ids))
+    return result
+
+
+class _LogprobBuilder:
+    """Accumulates one choice's completions-format logprobs."""
+
+    def __init__(self, ctx: ServingContext, start_offset: int) -> None:
+        self.ctx = ctx
+        self.offset = start_offset
+
+    def add_prompt(self, ids: list[int], out: CompletionLogprobs) -> None:
+        assert self.ctx.token_text is not None
+        for token_id in ids:
+            text, _ = self.ctx.token_text(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+
+    def add(self, items: list[TokenLogprob], out: CompletionLogprobs) -> None:
+        assert self.ctx.token_text is not None
+        for lp in items:
+            text, _ = self.ctx.token_text(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            top = {self.ctx.token_text(t)[0]: v for t, v in lp.top}
+            out.top_logprobs.append(top)
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+
+
+class CompletionCall:
+    def __init__(self, ctx: ServingContext, req: CompletionRequest) -> None:
+        self.ctx, self.req = ctx, req
+        self.request_id = random_id("cmpl")
+        self.created = now()
+        self.model = req.model or ctx.served_model_name
+        self.stream: RequestStream | None = None
+        self.prompts: list[tuple[str, list[int]]] = []
+        self.index_of: dict[str, int] = {}
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.prompts)
+
+    async def start(self) -> None:
+        ctx, req = self.ctx, self.req
+        ctx.check_model(req.model)
+        self.prompts = normalize_prompts(ctx, req.prompt)
+        requests = []
+        for p, (text, ids) in enumerate(self.prompts):
+            max_tokens = ctx.resolve_max_tokens(req.max_tokens, len(ids))
+            params = sampling_params(req, max_tokens, req.logprobs)
+            requests += fan_out(f"{self.request_id}-{p}", ids, params, req.n, text)
+        self.index_of = {r[0]: i for i, r in enumerate(requests)}
+        self.stream = await submit(ctx, requests)
+
+    def _prompt_of(self, index: int) -> tuple[str, list[int]]:
+        return self.prompts[index // self.req.n]
+
+    async def collect(self) -> dict[str, Any]:
+        assert self.stream is not None
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for out in self.stream:
+                if out.finished:
+                    finals[self.index_of[out.request_id]] = out
+        finally:
+            await self.stream.aclose()
+        choices = []
+        for i in sorted(finals):
+            c = finals[i].outputs[0]
+            prompt_text, prompt_ids = self._prompt_of(i)
+            text = prompt_text + c.text if self.req.echo else c.text
+            logprobs = None
+            if self.req.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                builder = _LogprobBuilder(self.ctx, 0)
+                if self.req.echo:
+                    builder.add_prompt(prompt_ids, logprobs)
+                builder.add(c.logprobs or [], logprobs)
+            choices.append(CompletionChoice(index=i, text=text, finish_reason=c.finish_reason,
+                                            logprobs=logprobs))
+        usage = make_usage(self.num_prompt_tokens, list(finals.values()))
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                  choices=choices, usage=usage).model_dump()
+
+    async def stream_sse(self) -> AsyncIterator[str]:
+        assert self.stream is not None
+        req, n = self.req, len(self.index_of)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(index: int, text: str, logprobs: CompletionLogprobs | None,
+                  finish_reason: str | None) -> str:
+            body: dict[str, Any] = {
+                "id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": index, "text": text, "finish_reason": finish_reason,
+                             "logprobs": logprobs.model_dump() if logprobs else None}]}
+            if include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        sent_chars, sent_lps = [0] * n, [0] * n
+        builders = [_LogprobBuilder(self.ctx, 0) for _ in range(n)]
+        finals: list[RequestOutput] = []
+        try:
+            if req.echo:
+                for i in range(n):
+                    prompt_text, prompt_ids = self._prompt_of(i)
+                    lps = None
+                    if req.logprobs is not None:
+                        lps = CompletionLogprobs()
+                        builders[i].add_prompt(prompt_ids, lps)
+                    yield chunk(i, prompt_text, lps, None)
+            async for out in self.stream:
+                i = self.index_of[out.request_id]
+                c = out.outputs[0]
+                delta = c.text[sent_chars[i]:]
+                new_lps = (c.logprobs or [])[sent_lps[i]:] if req.logprobs is not None else []
+                if not delta and not new_lps and not out.finished:
+                    continue
+                sent_chars[i] = len(c.text)
+                sent_lps[i] += len(new_lps)
+                lps = None
+                if req.logprobs is not None:
+                    lps = CompletionLogprobs()
+                    builders[i].add(new_lps, lps)
+                yield chunk(i, delta, lps, c.finish_reason if out.finished else None)
+                if out.finished:
+                    finals.append(out)
+            if include_usage:
+                usage = make_usage(self.num_prompt_tokens, finals)
+                yield sse({"id": self.request_id, "object": "text_completion",
+                           "created": self.created, "model": self.model, "choices": [],
+                           "usage": usage.model_dump()})
+        except APIError as e:
+            yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+            logger.exception("completion stream failed")
+            yield sse(APIError(500, f"internal error: {e}", type="internal_error").body())
+        finally:
+            await self.stream.aclose()
+        yield SSE_DONE
