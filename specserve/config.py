@@ -1,0 +1,114 @@
+"""Frozen configuration records passed down from the entry points (LLM, CLI, server).
+
+Nothing here touches the model or the device; `EngineConfig.create` only checks values
+and fills in defaults. Environment variables are read in one place: `env_str`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def env_str(name: str, default: str = "") -> str:
+    """The one place the package reads environment variables (all prefixed SPECSERVE_)."""
+    return os.environ.get(f"SPECSERVE_{name}", default)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    load_format: str = "auto"  # auto | dummy
+    max_model_len: int | None = None  # None: the model's own context length
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0  # seed for dummy weights and unseeded requests' sampling streams
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """vLLM's --speculative-config keys. method None means no speculation."""
+
+    method: str | None = None  # ngram | draft_model | eagle | medusa
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    depth: int | None = None
+    topk: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def parse(value: str | dict | None) -> "SpecConfig":
+        if value is None or value == "" or value == {}:
+            return SpecConfig()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config: expected a JSON object")
+        value = dict(value)
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "model", "depth", "topk"}
+        kwargs = {k: value.pop(k) for k in list(value) if k in known}
+        if kwargs.get("method") is None and kwargs.get("model"):
+            kwargs["method"] = "draft_model"
+        return SpecConfig(**kwargs, extra=value)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    @staticmethod
+    def create(model: str | None = None, *, dtype: str = "float32", load_format: str = "auto",
+               max_model_len: int | None = None, device: str = "auto", seed: int = 0,
+               block_size: int = 16, num_blocks: int | None = None,
+               kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
+               max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+               speculative_config: str | dict | SpecConfig | None = None) -> "EngineConfig":
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype!r}")
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: expected 'auto' or 'dummy', got {load_format!r}")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {block_size}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be at least 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens: must be at least 1")
+        if num_blocks is not None and num_blocks < 1:
+            raise ValueError(f"num_blocks: must be at least 1, got {num_blocks}")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len: must be at least 1, got {max_model_len}")
+        spec = speculative_config if isinstance(speculative_config, SpecConfig) \
+            else SpecConfig.parse(speculative_config)
+        return EngineConfig(
+            model=ModelConfig(model or DEFAULT_MODEL, dtype, load_format, max_model_len, device, seed),
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            spec=spec,
+        )

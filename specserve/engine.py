@@ -1,0 +1,213 @@
+"""Engine.step(): schedule -> execute -> sample/verify -> update -> propose.
+
+The Engine is single-threaded and synchronous; the server drives it from its own thread
+(specserve.server.async_engine) and the offline API (`LLM`, in specserve.llm) calls step()
+until every request has finished. Requests are validated completely in `validate` before
+anything is scheduled, so bad input never reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer
+
+from specserve.config import EngineConfig
+from specserve.detokenizer import IncrementalDetokenizer
+from specserve.kv_cache.manager import KVCacheManager, cdiv
+from specserve.model.arch import ModelArch
+from specserve.model.loader import canonical_alias, resolve_model_dir
+from specserve.model.runner import ModelRunner
+from specserve.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
+                               SamplingParams, TokenLogprob)
+from specserve.scheduler.scheduler import Scheduler
+from specserve.spec.step import SpecDecoder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Gauges (current values) and monotonically increasing counters for /metrics and logs."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_hit_tokens: int = 0
+    computed_tokens_total: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        print(f"[specserve] loading model {mc.model!r} ...", flush=True)
+        start = time.time()
+        self.model_dir = resolve_model_dir(mc.model)
+        self.arch = ModelArch.from_dir(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.runner = ModelRunner(self.model_dir, self.arch, mc, config.cache, self.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.spec = SpecDecoder.create(config.spec, self)
+        self.model_name = canonical_alias(mc.model) or mc.model
+        self.model_aliases = [a for a in {mc.model, self.model_dir.name} if a != self.model_name]
+        eos = set(self.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._aborted: list[Request] = []
+        self._rng = random.Random(mc.seed)
+        self._stats = EngineStats(spec_accepted_per_pos=[0] * self.spec.max_drafts)
+        print(f"[specserve] model ready in {time.time() - start:.1f} s "
+              f"({self.arch.num_layers} layers, vocab {self.arch.vocab_size}, "
+              f"{self.runner.num_blocks} KV blocks, device {self.runner.device})", flush=True)
+
+    # -- requests -----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError('field: reason') for input the engine cannot serve."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.arch.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens do not fit the context of {self.max_model_len} "
+                             "tokens (max_model_len) with room for one output token")
+        longest = min(self.max_model_len, n + params.max_tokens if params.max_tokens else self.max_model_len)
+        need = cdiv(longest + self.spec.max_drafts + 1, self.kv.block_size)
+        if need > self.kv.num_total_blocks:
+            raise ValueError(f"max_tokens: prompt plus max_tokens need {need} KV blocks but the "
+                             f"cache has {self.kv.num_total_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        if params.n != 1:
+            raise ValueError("n: the engine takes one sequence per request; fan out n above it")
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        self.validate(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed,
+                      arrival_time, prompt)
+        self.requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, params.stop,
+            params.include_stop_str_in_output, params.skip_special_tokens)
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._finish(req)
+        self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    @property
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.kv_cache_usage = self.kv.usage()
+        s.num_free_blocks, s.num_total_blocks = self.kv.num_free_blocks, self.kv.num_total_blocks
+        s.num_preemptions = self.scheduler.num_preemptions
+        return s
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(r) for r in self._aborted]
+        self._aborted = []
+        sched = self.scheduler.schedule()  # 1. schedule
+        if not sched.requests:
+            return outputs
+        step_logits = self.runner.execute(sched, self.spec.tree_parents(sched))  # 2. execute
+        emitted = self.spec.sample_and_verify(sched, step_logits)  # 3. sample / verify
+        self._stats.num_steps += 1
+        self._stats.computed_tokens_total += sched.total_tokens
+        for req, n, k, result in zip(sched.requests, sched.num_tokens, sched.num_drafts, emitted):
+            req.num_computed_tokens += n  # 4. update
+            if result is None:
+                continue
+            tokens, logprobs = result
+            if k:
+                self.kv.truncate(req, req.num_computed_tokens - (k - (len(tokens) - 1)))
+                req.spec_token_ids = []
+                req.spec_draft_probs = None
+            self._append(req, tokens, logprobs)
+            if req.finished:
+                self._finish(req)
+            else:
+                self.kv.cache_committed_blocks(req)
+            outputs.append(self._output(req))
+        self.spec.propose([r for r in self.scheduler.running if not r.finished])  # 5. propose
+        return outputs
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        """Commit sampled tokens one by one; a stop condition cuts the run right there."""
+        if req.first_token_time is None:
+            req.first_token_time = time.time()
+            self._stats.prompt_tokens_total += req.num_prompt_tokens
+            self._stats.prefix_cache_hit_tokens += req.num_cached_tokens
+        detok = self._detok[req.request_id]
+        for i, tok in enumerate(tokens):
+            req.all_token_ids.append(tok)
+            self._stats.generation_tokens_total += 1
+            if req.logprobs is not None and logprobs is not None:
+                req.logprobs.append(logprobs[i])
+            stop_str = detok.append(tok)
+            if stop_str is not None:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+            elif tok in req.eos_token_ids or tok in req.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok if tok in req.stop_token_ids else None
+            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                req.status = RequestStatus.FINISHED_LENGTH
+            if req.finished:
+                break
+
+    def _finish(self, req: Request) -> None:
+        req.finished_time = time.time()
+        self.scheduler.remove(req)
+        self._detok[req.request_id].flush()
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.finished
+        detok = self._detok[req.request_id]
+        out = RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(
+                index=0, text=detok.visible_text(finished), token_ids=req.output_token_ids,
+                finish_reason=req.status.value if finished else None,
+                stop_reason=req.stop_reason,
+                logprobs=list(req.logprobs) if req.logprobs is not None else None)],
+            finished=finished, num_cached_tokens=req.num_cached_tokens,
+            num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
+            arrival_time=req.arrival_time, first_token_time=req.first_token_time,
+            finished_time=req.finished_time)
+        if finished:
+            del self.requests[req.request_id]
+            del self._detok[req.request_id]
+        return out

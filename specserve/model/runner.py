@@ -1,0 +1,132 @@
+"""ModelRunner: owns the model, its paged KV cache tensors and the per-step input tensors.
+
+`execute` turns a SchedulerOutput into one flattened forward pass and returns, for every
+scheduled request that caught up with its known tokens, the logits rows the step must sample
+or verify: one row for a plain decode or finished prefill, 1 + k rows for k drafts (row j is
+the target's distribution after draft j-1). Requests still in the middle of a chunked prefill
+get no rows. Sampling and verification happen in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.config import CacheConfig, ModelConfig
+from specserve.model.arch import ModelArch
+from specserve.model.attention import AttentionMetadata, get_attention_backend
+from specserve.model.llama import LlamaForCausalLM
+from specserve.model.loader import load_safetensors
+from specserve.scheduler.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class StepLogits:
+    logits: torch.Tensor  # [R, V] float32 rows to sample or verify
+    hidden: torch.Tensor  # [R, hidden] final hidden states of those rows (for draft heads)
+    row_start: list[int]  # per scheduled request: first row, or -1 when it has none
+    num_rows: list[int]  # per scheduled request: 0, 1 or 1 + num_drafts
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path | None, arch: ModelArch, model_config: ModelConfig,
+                 cache_config: CacheConfig, max_model_len: int) -> None:
+        self.arch = arch
+        self.device = pick_device(model_config.device)
+        self.dtype = DTYPES[model_config.dtype]
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        start = time.time()
+        with torch.device(self.device):
+            model = LlamaForCausalLM(arch, max_positions=max_model_len + 64)
+        if model_config.load_format == "dummy" or model_dir is None:
+            _init_dummy(model, model_config.seed)
+        else:
+            model.load_hf_state_dict(load_safetensors(model_dir))
+        self.model = model.to(self.dtype).eval()
+        self.model.rotary.float()
+        self.backend = get_attention_backend(self.device)
+        self.num_blocks = cache_config.num_blocks or self._blocks_for(cache_config.kv_cache_memory_gb)
+        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(arch.num_layers)]
+        logger.info("model ready in %.1f s on %s; KV cache: %d blocks of %d tokens",
+                    time.time() - start, self.device, self.num_blocks, self.block_size)
+
+    def _blocks_for(self, gigabytes: float) -> int:
+        a = self.arch
+        per_block = 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return max(16, int(gigabytes * (1 << 30)) // per_block)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput,
+                tree_parents: list[list[int] | None] | None = None) -> StepLogits:
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_lens, row_start, num_rows, row_index = [], [], [], []
+        for req, n, k in zip(sched.requests, sched.num_tokens, sched.num_drafts):
+            start = req.num_computed_tokens
+            known = req.all_token_ids + req.spec_token_ids[:k]
+            ids += known[start:start + n]
+            positions += range(start, start + n)
+            seq_lens.append(start + n)
+            if start + n == len(known):  # caught up: sample (or verify k drafts + bonus)
+                row_start.append(len(row_index))
+                num_rows.append(k + 1)
+                row_index += range(len(ids) - k - 1, len(ids))
+            else:
+                row_start.append(-1)
+                num_rows.append(0)
+        if tree_parents is not None:  # tree nodes sit at prefix + depth, not prefix + index
+            positions = _tree_positions(positions, sched, tree_parents)
+        meta = AttentionMetadata.build(seq_lens, list(sched.num_tokens),
+                                       [r.block_ids for r in sched.requests], self.block_size,
+                                       self.device, self.backend.dense, tree_parents)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, pos, self.kv_caches, meta, self.backend)
+        hidden = hidden[torch.tensor(row_index, dtype=torch.int64, device=self.device)]
+        return StepLogits(self.model.compute_logits(hidden), hidden, row_start, num_rows)
+
+
+def _tree_positions(positions: list[int], sched: SchedulerOutput, tree_parents) -> list[int]:
+    """A tree request's n tokens (its last committed token, then the draft nodes) sit at
+    position start + depth, where parents (length n, root -1) give each node's depth."""
+    out, offset = list(positions), 0
+    for n, parents in zip(sched.num_tokens, tree_parents):
+        if parents is not None:
+            assert len(parents) == n, "a tree covers all of a request's scheduled tokens"
+            depth: list[int] = []
+            for p in parents:
+                depth.append(0 if p < 0 else depth[p] + 1)
+            for j, d in enumerate(depth):
+                out[offset + j] = positions[offset] + d
+        offset += n
+    return out
+
+
+def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights in the config's shape (for speed benchmarks and unit tests)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.device.type == "cpu"
+                        else (torch.randn(p.shape, generator=gen) * 0.02).to(p.device))
