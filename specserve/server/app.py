@@ -23,9 +23,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specserve.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.server.async_engine import AsyncEngine, EngineDeadError
 from specserve.server.openai_serving import APIError, ServingContext
-from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                       ModelList)
-from specserve.server.serving_chat import ChatCall
+from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                       DetokenizeRequest, ModelCard, ModelList, TokenizeRequest)
+from specserve.server.serving_chat import ChatCall, render_chat_prompt
 from specserve.server.serving_completions import CompletionCall
 
 logger = logging.getLogger("specserve.server")
@@ -172,6 +172,25 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     @app.get("/debug/kv")
     async def debug_kv() -> Response:
         return JSONResponse(async_engine.kv_snapshot)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Any:
+        ctx.check_model(body.model)
+        if body.messages:
+            text = render_chat_prompt(ctx, body.messages)
+            tokens = ctx.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = ctx.tokenizer.encode(body.prompt or "",
+                                          add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Any:
+        ctx.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> Any:

@@ -204,8 +204,8 @@ class AsyncEngine:
                     logger.exception("engine step failed")
                     self._fail_all(e)
                     continue
+                self._after_step(outputs)  # first, so /metrics is current once a client sees output
                 self._deliver(outputs)
-                self._after_step(outputs)
         except BaseException as e:  # noqa: BLE001
             logger.exception("engine thread died")
             self.error = e

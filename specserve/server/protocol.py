@@ -94,6 +94,18 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None  # tokenized through the chat template
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 # -- responses ---------------------------------------------------------------------------
 
 class SpeculationUsage(BaseModel):

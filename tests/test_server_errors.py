@@ -1,0 +1,194 @@
+"""Error handling of the server (OpenAI error bodies and status codes), the API key, and a
+graceful SIGTERM. One server with --api-key and the real default model; the SIGTERM test stops
+it and so runs last. The schemathesis fuzz test (marked slow) starts its own server."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+import pytest
+
+from tests.server_fixtures import ServerProcess, default_model_args
+
+MODEL = "smollm2-135m-instruct"
+KEY = "test-key-123"
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess(default_model_args(MAX_MODEL_LEN), api_key=KEY)
+    yield proc
+    proc.stop()
+
+
+def post(server, path: str, body=None, *, content: bytes | None = None, key: str | None = KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if content is not None:
+        headers["Content-Type"] = "application/json"
+        return httpx.post(f"{server.base_url}{path}", content=content, headers=headers,
+                          timeout=60)
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, timeout=60)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+    if param != "any":
+        assert err["param"] == param, err
+    return err
+
+
+def chat_body(**overrides):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "temperature": 0}
+    body.update(overrides)
+    return body
+
+
+@pytest.mark.parametrize("overrides, param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"top_p": 0}, "top_p"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     "any"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"stop": [""]}, "stop"),
+    ({"messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
+    ({"max_tokens": 10_000}, "max_tokens"),
+])
+def test_chat_bad_params_400(server, overrides, param):
+    assert_error(post(server, "/v1/chat/completions", chat_body(**overrides)), 400, param)
+
+
+def test_chat_missing_messages_and_wrong_types_400(server):
+    assert_error(post(server, "/v1/chat/completions", {"model": MODEL}), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", [1, 2, 3]), 400)
+    assert_error(post(server, "/v1/chat/completions", chat_body(messages="hi")), 400)
+
+
+def test_malformed_json_400(server):
+    err = assert_error(post(server, "/v1/chat/completions", content=b'{"model": '), 400)
+    assert "JSON" in err["message"]
+    assert_error(post(server, "/v1/completions", content=b"\xff\xfe"), 400)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": list(range(5, 5 + MAX_MODEL_LEN))}, "prompt"),
+    ({"prompt": {"a": 1}}, "any"),
+])
+def test_completions_bad_params_400(server, body, param):
+    assert_error(post(server, "/v1/completions", {"model": MODEL, **body}), 400, param)
+
+
+def test_unknown_model_404(server):
+    err = assert_error(post(server, "/v1/chat/completions", chat_body(model="gpt-9")), 404,
+                       "model")
+    assert err["code"] == "model_not_found"
+    assert_error(post(server, "/v1/completions", {"model": "nope", "prompt": "x"}), 404)
+
+
+def test_unknown_route_404(server):
+    assert_error(post(server, "/v1/nothing", {}), 404)
+
+
+def test_api_key(server):
+    for key in (None, "wrong"):
+        err = assert_error(post(server, "/v1/chat/completions", chat_body(), key=key), 401)
+        assert err["code"] == "invalid_api_key"
+        r = httpx.get(f"{server.base_url}/v1/models",
+                      headers={"Authorization": f"Bearer {key}"} if key else {})
+        assert_error(r, 401)
+    # 401 comes before body parsing: a malformed body without a key is still 401
+    assert_error(post(server, "/v1/chat/completions", content=b"{", key=None), 401)
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+    ok = post(server, "/v1/chat/completions", chat_body())
+    assert ok.status_code == 200, ok.text
+    client = server.openai()
+    assert client.models.list().data[0].id == MODEL
+
+
+def test_openai_client_raises_typed_errors(server):
+    import openai
+    client = server.openai()
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="missing", messages=[{"role": "user",
+                                                                   "content": "x"}])
+    bad = server.openai()
+    bad.api_key = "wrong"
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+@pytest.mark.slow
+def test_schemathesis_fuzz_no_5xx(server):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, settings
+
+    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+    failures = []
+    for op in schema.get_all_operations():
+        operation = op.ok()
+
+        @settings(max_examples=25, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def check(case):
+            case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
+            response = case.call(base_url=server.base_url, timeout=60)
+            if response.status_code >= 500:
+                failures.append((operation.label, case.body, response.status_code,
+                                 response.text[:300]))
+
+        operation.as_strategy()  # fail early if a schema cannot be turned into data
+        from hypothesis import given
+        given(case=operation.as_strategy())(check)()
+    assert not failures, failures[:5]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_zz_sigterm_finishes_running_request_and_exits_0(server):
+    """Runs last in this module: it stops the module's server."""
+    result: dict = {}
+
+    def run() -> None:
+        body = chat_body(max_tokens=20, stream=False)
+        body["messages"][0]["content"] = "Tell me about the sea."
+        result["response"] = post(server, "/v1/chat/completions", body)
+
+    t = threading.Thread(target=run)
+    t.start()
+    import time
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and server.metric("specserve:num_requests_running") < 1:
+        time.sleep(0.05)
+    rc = server.stop(signal.SIGTERM, timeout=60)
+    t.join(60)
+    assert rc == 0, server.log()
+    r = result["response"]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
