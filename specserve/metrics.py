@@ -77,8 +77,13 @@ class ServerMetrics:
         self._last_counts = dict.fromkeys(_COUNTER_FIELDS, 0)
         self._last_per_pos: list[int] = []
         self._last_token_time: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens)
-        for gauge in (self.num_running, self.num_waiting, self.kv_usage):
-            gauge.labels(self.model_name).set(0)
+        # Create every child up front so all series exist (at 0) from the first scrape.
+        for metric in (self.num_running, self.num_waiting, self.kv_usage, self.prompt_tokens,
+                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.spec_drafts,
+                       self.spec_draft_tokens, self.spec_accepted_tokens):
+            metric.labels(self.model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(self.model_name, reason)
 
     # -- feeding ----------------------------------------------------------------------
     def update_from_stats(self, stats: Any) -> None:
