@@ -119,6 +119,12 @@ class ServerMetrics:
         now = time.time() if now is None else now
         name = self.model_name
         rid = output.request_id
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        if output.finished and reason == "abort":
+            # An aborted request's last output says nothing about latency.
+            self._last_token_time.pop(rid, None)
+            self.request_success.labels(name, "abort").inc()
+            return
         num_tokens = len(output.outputs[0].token_ids) if output.outputs else 0
         last = self._last_token_time.get(rid)
         if last is None:
@@ -135,8 +141,7 @@ class ServerMetrics:
             self._last_token_time[rid] = (now, num_tokens)
         if output.finished:
             self._last_token_time.pop(rid, None)
-            reason = output.outputs[0].finish_reason if output.outputs else None
-            self.request_success.labels(name, reason or "abort").inc()
+            self.request_success.labels(name, reason or "stop").inc()
             end = output.finished_time or now
             self.e2e.labels(name).observe(max(end - output.arrival_time, 0.0))
 

@@ -110,13 +110,19 @@ def test_latency_histograms_and_success_counter():
     assert s["specserve:e2e_request_latency_seconds_count" + label] == 1
     assert abs(s["specserve:e2e_request_latency_seconds_sum" + label] - 3.0) < 1e-9
     assert s['specserve:request_success_total{finished_reason="length",model_name="m"}'] == 1
+    m.observe_output(output("q", 3, True, "abort"), now=102.0)  # aborted: counted, not timed
+    s = samples(m)
+    assert s['specserve:request_success_total{finished_reason="abort",model_name="m"}'] == 1
+    assert s["specserve:time_to_first_token_seconds_count" + label] == 1
+    assert s["specserve:e2e_request_latency_seconds_count" + label] == 1
 
 
 def test_private_registries_do_not_collide():
     a, b = ServerMetrics("a"), ServerMetrics("b")
     a.update_from_stats(Stats(prompt_tokens_total=3))
     assert samples(a)['specserve:prompt_tokens_total{model_name="a"}'] == 3
-    assert 'specserve:prompt_tokens_total{model_name="b"}' not in samples(b)
+    assert samples(b)['specserve:prompt_tokens_total{model_name="b"}'] == 0
+    assert not any('model_name="a"' in key for key in samples(b))
 
 
 def test_format_spec_log():
