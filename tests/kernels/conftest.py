@@ -4,7 +4,8 @@ Without CUDA the Triton kernels run under the interpreter: Triton 3.x reads
 TRITON_INTERPRET (triton.knobs.runtime.interpret) when ``@triton.jit`` decorates
 a function, i.e. when specserve.kernels.* is imported, so it is set here before
 that import.  If something imported the kernel modules earlier without it, they
-are reloaded so their kernels get re-decorated as interpreted functions.
+are re-imported (together with triton's Python modules) so every @triton.jit
+function is re-decorated as an interpreted one.
 """
 import importlib
 import os
@@ -13,14 +14,17 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    _mods = ["specserve.kernels.paged_attention", "specserve.kernels.tree_attention",
-             "specserve.kernels.kv_write", "specserve.kernels.rejection", "specserve.kernels"]
-    if any(m in sys.modules for m in _mods):
-        for m in _mods:
-            if m in sys.modules:
-                importlib.reload(sys.modules[m])
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" in sys.modules:
+        # triton.language's own @jit helpers (tl.max, tl.cdiv, ...) and our kernels
+        # were decorated in compiled mode: re-import the pure-Python parts (the
+        # C extension triton._C stays loaded) and our kernel modules.
+        for name in [m for m in sys.modules if (m == "triton" or m.startswith("triton."))
+                     and not m.startswith("triton._C") or m.startswith("specserve.kernels")]:
+            del sys.modules[name]
+        importlib.import_module("triton")
+        importlib.import_module("specserve.kernels")
 
 try:
     import triton  # noqa: F401
