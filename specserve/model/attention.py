@@ -121,7 +121,12 @@ def _packed_tree_mask(tree_parents, qlen: np.ndarray, device) -> torch.Tensor:
 
 
 class TorchAttention:
-    """Reference backend: one SDPA call per layer over the gathered, padded context."""
+    """Reference backend: one SDPA call per layer over the gathered, padded context.
+
+    GQA without copying K/V: the G query heads that share a KV head are folded into the
+    query-length axis ([B, Hkv, G*Q, D] against [B, Hkv, L, D]), and the mask is repeated G
+    times along that axis once per step.
+    """
 
     dense = True
 
@@ -129,25 +134,38 @@ class TorchAttention:
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        num_kv, head_dim = k.shape[1], k.shape[2]
+        group = q.shape[1] // num_kv
+        flat_k = k_cache.view(-1, num_kv, head_dim)
+        flat_v = v_cache.view(-1, num_kv, head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
-        num_reqs, max_q = meta.gather_slots.shape[0], meta.max_query_len
-        keys = flat_k[meta.gather_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        values = flat_v[meta.gather_slots].transpose(1, 2)
-        total = q.shape[0]
-        if total == num_reqs * max_q:  # no padding needed (uniform query lengths)
-            queries = q.view(num_reqs, max_q, q.shape[1], head_dim).transpose(1, 2)
-        else:
-            padded = q.new_zeros(num_reqs * max_q, q.shape[1], head_dim)
-            padded[meta.query_dest] = q
-            queries = padded.view(num_reqs, max_q, q.shape[1], head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.dense_mask,
-                                             scale=scale, enable_gqa=True)
-        out = out.transpose(1, 2).reshape(num_reqs * max_q, q.shape[1], head_dim)
-        return out if total == num_reqs * max_q else out[meta.query_dest]
+        num_reqs, max_l = meta.gather_slots.shape
+        max_q, total = meta.max_query_len, q.shape[0]
+        slots = meta.gather_slots.view(-1)
+        keys = flat_k.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
+        values = flat_v.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
+        padded = total != num_reqs * max_q
+        if padded:
+            q = q.new_zeros(num_reqs * max_q, q.shape[1], head_dim).index_copy_(0, meta.query_dest, q)
+        # [B*Q, Hkv*G, D] -> [B, Hkv, G*Q, D]
+        queries = q.view(num_reqs, max_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
+        queries = queries.reshape(num_reqs, num_kv, group * max_q, head_dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_group_mask(meta, group),
+                                             scale=scale)
+        out = out.view(num_reqs, num_kv, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(num_reqs * max_q, num_kv * group, head_dim)
+        return out.index_select(0, meta.query_dest) if padded else out
+
+
+def _group_mask(meta: AttentionMetadata, group: int) -> torch.Tensor | None:
+    if meta.dense_mask is None:
+        return None
+    cached = getattr(meta, "_group_mask", None)
+    if cached is None or cached[0] != group:
+        cached = (group, meta.dense_mask.repeat(1, 1, group, 1))  # [B, 1, G*Q, L]
+        meta._group_mask = cached
+    return cached[1]
 
 
 class TritonAttention:

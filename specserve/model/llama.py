@@ -62,10 +62,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the step's positions: [T, 1, D/2] each, computed once per forward."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -90,7 +95,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q), rotary(positions, k)
+        q, k = RotaryEmbedding.apply(q, *rotary), RotaryEmbedding.apply(k, *rotary)
         out = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -137,8 +142,9 @@ class LlamaForCausalLM(nn.Module):
                 backend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (after the last norm)."""
         x = self.embed_tokens(input_ids)
+        rotary = self.rotary.table(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta, backend)
+            x = layer(x, positions, rotary, kv_cache, meta, backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, pos, self.kv_caches, meta, self.backend)
-        hidden = hidden[torch.tensor(row_index, dtype=torch.int64, device=self.device)]
+        hidden = hidden.index_select(0, torch.tensor(row_index, dtype=torch.int64, device=self.device))
         return StepLogits(self.model.compute_logits(hidden), hidden, row_start, num_rows)
 
 

@@ -1,0 +1,79 @@
+"""Our decoder against Hugging Face transformers on the same weights (fp32)."""
+
+import pytest
+import torch
+
+from specserve import SamplingParams
+from specserve.model.attention import AttentionMetadata
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "In 1969, astronauts",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Translate to French: Good morning, how are you?",
+    "import numpy as np\nx = np.arange(10)\n",
+    "Question: What is 12 times 7?\nAnswer:",
+    "Once upon a time, in a small village by the mountains,",
+    "<|im_start|>user\nGive me two tips for sleeping well.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    return model
+
+
+def _our_logits(llm, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Run `ids` through our model in the given prefill chunks; logits of every position."""
+    runner, kv = llm.engine.runner, llm.engine.kv
+    blocks = kv.pool.allocate(-(-len(ids) // kv.block_size))
+    try:
+        out, done = [], 0
+        for n in chunks:
+            meta = AttentionMetadata.build([done + n], [n], [blocks], kv.block_size, runner.device,
+                                           runner.backend.dense)
+            with torch.inference_mode():
+                hidden = runner.model(torch.tensor(ids[done:done + n]), torch.arange(done, done + n),
+                                      runner.kv_caches, meta, runner.backend)
+                out.append(runner.model.compute_logits(hidden))
+            done += n
+        return torch.cat(out)
+    finally:
+        kv.pool.release(blocks)
+
+
+def test_logits_match_transformers(llm, hf_model):
+    ids = llm.get_tokenizer().encode(PROMPTS[5] + " " + PROMPTS[9])
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    whole = _our_logits(llm, ids, [len(ids)])
+    assert (whole - ref).abs().max().item() < 1e-3
+    # chunked prefill and single-token decodes read earlier K/V back through the block table
+    n = len(ids)
+    chunked = _our_logits(llm, ids, [7, 10, n - 17 - 2, 1, 1])
+    assert (chunked - ref).abs().max().item() < 1e-3
+
+
+def _hf_greedy(hf_model, ids, n):
+    out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                            attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_matches_transformers_one_by_one_and_batched(llm, hf_model):
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    tok = llm.get_tokenizer()
+    expected = [_hf_greedy(hf_model, tok.encode(p), 64) for p in PROMPTS]
+    single = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    for i, p in enumerate(PROMPTS):
+        assert single[i] == expected[i], f"prompt {i} one by one differs from transformers"
+        assert batched[i] == expected[i], f"prompt {i} in a batch differs from transformers"
+        assert len(expected[i]) == 64
