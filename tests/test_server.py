@@ -307,3 +307,20 @@ def test_metrics_move(server, client):
     assert server.metric("specserve:request_success_total", finished_reason="length") >= 1
     assert server.metric("specserve:e2e_request_latency_seconds_count") >= 1
     assert server.metric("specserve:time_to_first_token_seconds_count") >= 1
+
+
+def test_bench_serve_against_server(server, tmp_path):
+    import argparse
+
+    from specserve.bench import serving as bench
+
+    args = bench.add_args(argparse.ArgumentParser()).parse_args(
+        ["--base-url", server.base_url, "--num-prompts", "4", "--max-tokens", "4",
+         "--request-rate", "20", "--result-json", str(tmp_path / "r.json"),
+         "--plot", str(tmp_path / "r.png")])
+    assert bench.run(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert 0 < result["output_tokens"] <= 16
+    assert result["ttft_s"]["p50"] > 0 and result["e2e_s"]["p99"] >= result["e2e_s"]["p50"]
+    assert (tmp_path / "r.png").stat().st_size > 1000
