@@ -172,7 +172,8 @@ def format_spec_log(stats: Any, prev: Any = None) -> str:
         return "spec decode: no drafts"
     per_pos = list(getattr(stats, "spec_accepted_per_pos", None) or [])
     prev_pos = list(getattr(prev, "spec_accepted_per_pos", None) or []) if prev is not None else []
-    rates = [(v - (prev_pos[i] if i < len(prev_pos) else 0)) / drafts for i, v in enumerate(per_pos)]
+    rates = [(v - (prev_pos[i] if i < len(prev_pos) else 0)) / drafts
+             for i, v in enumerate(per_pos)]
     rate_text = ", ".join(f"{r:.3f}" for r in rates)
     draft_acc = accepted / draft_tokens if draft_tokens else 0.0
     return (f"spec decode: mean acceptance length {1 + accepted / drafts:.2f}, "
@@ -202,7 +203,8 @@ class StatsLogger:
             snap["generation_tokens_total"] != prev["generation_tokens_total"])
         if not force and not busy and not moved:
             return None
-        prompt_tps = (snap["prompt_tokens_total"] - (prev or {}).get("prompt_tokens_total", 0)) / elapsed
+        prompt_tps = (snap["prompt_tokens_total"]
+                      - (prev or {}).get("prompt_tokens_total", 0)) / elapsed
         gen_tps = (snap["generation_tokens_total"]
                    - (prev or {}).get("generation_tokens_total", 0)) / elapsed
         line = (f"prompt throughput {prompt_tps:.1f} tok/s, generation throughput "

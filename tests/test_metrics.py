@@ -92,7 +92,8 @@ def test_counters_take_deltas_and_gauges_values():
     assert s["specserve:spec_decode_num_drafts_total" + label] == 6
     assert s["specserve:spec_decode_num_draft_tokens_total" + label] == 18
     assert s["specserve:spec_decode_num_accepted_tokens_total" + label] == 9
-    per_pos = 'specserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="%d"}'
+    per_pos = ('specserve:spec_decode_num_accepted_tokens_per_pos_total'
+               '{model_name="m",position="%d"}')
     assert [s[per_pos % i] for i in range(3)] == [6, 2, 1]
 
 

@@ -149,30 +149,33 @@ def test_openai_client_raises_typed_errors(server):
 def test_schemathesis_fuzz_no_5xx():
     """Property-based requests from /openapi.json: whatever the input, never a 5xx."""
     schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, given, settings
 
     fuzz = ServerProcess(default_model_args(64), api_key=KEY)  # short context: short outputs
     try:
         schema = schemathesis.openapi.from_url(f"{fuzz.base_url}/openapi.json")
-        failures = []
+        failures: list = []
         for result in schema.get_all_operations():
-            operation = result.ok()
-
-            @settings(max_examples=40, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(case=operation.as_strategy())
-            def check(case):
-                response = case.call(base_url=fuzz.base_url, timeout=120,
-                                     headers={"Authorization": f"Bearer {KEY}"})
-                if response.status_code >= 500:
-                    failures.append((operation.label, case.body, response.status_code,
-                                     response.text[:300]))
-
-            check()
+            _fuzz_operation(result.ok(), fuzz.base_url, failures)
         assert not failures, failures[:5]
         assert httpx.get(f"{fuzz.base_url}/health").status_code == 200
     finally:
         assert fuzz.stop() == 0, fuzz.log()
+
+
+def _fuzz_operation(operation, base_url: str, failures: list) -> None:
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy())
+    def check(case):
+        response = case.call(base_url=base_url, timeout=120,
+                             headers={"Authorization": f"Bearer {KEY}"})
+        if response.status_code >= 500:
+            failures.append((operation.label, case.body, response.status_code,
+                             response.text[:300]))
+
+    check()
 
 
 def test_zz_sigterm_finishes_running_request_and_exits_0(server):

@@ -162,7 +162,8 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
         "errors": sorted({r.error for r in results if r.error})[:5],
         "request_rate": None if args.request_rate == float("inf") else args.request_rate,
         "max_tokens": args.max_tokens, "duration_s": duration,
-        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / duration if duration else 0,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / duration if duration else 0,
         "requests_per_s": len(ok) / duration if duration else 0,
         "ttft_s": _percentiles([r.ttft for r in ok]),
         "itl_s": _percentiles([g for r in ok for g in r.itls]),
@@ -195,8 +196,9 @@ def plot(s: dict[str, Any], path: str) -> None:
 
     samples = s["_samples"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, title in zip(axes, ("ttft", "itl", "e2e"),
-                              ("time to first token", "inter-token latency", "end-to-end")):
+    panels = (("ttft", "time to first token"), ("itl", "inter-token latency"),
+              ("e2e", "end-to-end"))
+    for ax, (key, title) in zip(axes, panels, strict=True):
         values = [1000 * v for v in samples[key]]
         if values:
             ax.hist(values, bins=min(40, max(5, len(values) // 2)))

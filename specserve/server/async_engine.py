@@ -91,7 +91,7 @@ class RequestStream:
 
     async def __anext__(self) -> RequestOutput:
         if not self._unfinished:
-            self._finish()
+            self._closed = True
             raise StopAsyncIteration
         try:
             item = await self._queue.get()
@@ -105,19 +105,14 @@ class RequestStream:
             self._unfinished.discard(item.request_id)
         return item
 
-    def _finish(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._owner._forget(self.request_ids)
-
     async def aclose(self) -> None:
         """Abort every request of this stream that has not finished (idempotent)."""
         if self._closed:
             return
+        self._closed = True
         for request_id in self._unfinished:
             self._owner.abort(request_id)
         self._unfinished.clear()
-        self._finish()
 
 
 class AsyncEngine:
@@ -184,9 +179,6 @@ class AsyncEngine:
         """Thread-safe; unknown or finished ids are ignored by the engine."""
         self._inbox.put(_Abort(request_id))
         self._wake.set()
-
-    def _forget(self, request_ids: list[str]) -> None:
-        pass  # streams are dropped by the engine thread on finish or abort
 
     # -- engine thread ------------------------------------------------------------------
     def _run(self) -> None:

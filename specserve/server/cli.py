@@ -37,7 +37,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     g.add_argument("--speculative-config", default=None,
-                   help='JSON as in vLLM, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+                   help='JSON as in vLLM, e.g. '
+                        '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
 
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")

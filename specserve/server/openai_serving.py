@@ -118,7 +118,9 @@ class ServingContext:
         except Exception:  # noqa: BLE001
             tokenizer = engine.tokenizer
         names = list(aliases or [])
-        for name in [getattr(engine, "model_name", None)] + list(getattr(engine, "model_aliases", []) or []):
+        engine_names = [getattr(engine, "model_name", None)]
+        engine_names += list(getattr(engine, "model_aliases", None) or [])
+        for name in engine_names:
             if name and name != served_model_name and name not in names:
                 names.append(name)
         vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
@@ -211,7 +213,9 @@ def make_usage(num_prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
 
 
 def sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n"
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n"
 
 
