@@ -62,10 +62,11 @@ class Engine:
         self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         self.runner = ModelRunner(self.model_dir, self.arch, mc, config.cache, self.max_model_len)
+        # before the block manager: a draft model takes its share of the KV memory budget
+        self.spec = SpecDecoder.create(config.spec, self)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.spec = SpecDecoder.create(config.spec, self)
         self.model_name = canonical_alias(mc.model) or mc.model
         self.model_aliases = [a for a in {mc.model, self.model_dir.name} if a != self.model_name]
         eos = set(self.arch.eos_token_ids)

@@ -1,0 +1,85 @@
+"""Adaptive speculation length: draft only as far as it pays, per request.
+
+Model. A request's drafts are accepted one after another with probability `alpha` each
+(estimated per request from its own verify results, with exponential forgetting). With k
+drafts a verify step emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens and
+costs C(k) = 1 + k * r plain decode steps, where r is the cost of one draft token relative
+to a plain step: the verifier's marginal cost per extra token (`verify_cost`, a constant:
+on one request the forward is dominated by fixed costs) plus, for a draft model, the
+measured time of one draft step over the measured time of a target step. The request gets
+the k in 0..K maximising E(k) / C(k).
+
+When that is 0 the request stops speculating; it probes again with one draft after
+`probe_interval` steps, so a request whose text becomes predictable later (a summary that
+starts quoting) can return to speculation. n-gram misses cost nothing (no match, no draft)
+and do not count as rejections.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from specserve.request import Request
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 1.0  # prior: one accepted and one rejected draft (alpha = 0.5)
+    rejected: float = 1.0
+    idle_steps: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+class AdaptiveLength:
+    def __init__(self, max_drafts: int, enabled: bool = True, verify_cost: float = 0.05,
+                 decay: float = 0.8, probe_interval: int = 16) -> None:
+        self.max_drafts = max_drafts
+        self.enabled = enabled
+        self.verify_cost = verify_cost
+        self.decay = decay
+        self.probe_interval = probe_interval
+        self.draft_cost = 0.0  # one draft step / one target step (measured; 0 for n-gram)
+        self._acc: weakref.WeakKeyDictionary[Request, _Acceptance] = weakref.WeakKeyDictionary()
+
+    def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verify result: the first num_accepted of num_drafts drafts were accepted."""
+        a = self._acc.setdefault(req, _Acceptance())
+        a.accepted = a.accepted * self.decay + num_accepted
+        a.rejected = a.rejected * self.decay + (1 if num_accepted < num_drafts else 0)
+
+    def observe_costs(self, target_step_s: float, draft_step_s: float) -> None:
+        if target_step_s > 0:
+            ratio = draft_step_s / target_step_s
+            self.draft_cost = ratio if self.draft_cost == 0 else 0.8 * self.draft_cost + 0.2 * ratio
+
+    def num_drafts(self, req: Request) -> int:
+        if not self.enabled:
+            return self.max_drafts
+        a = self._acc.setdefault(req, _Acceptance())
+        best = best_length(a.alpha, self.max_drafts, self.verify_cost + self.draft_cost)
+        if best > 0:
+            a.idle_steps = 0
+            return best
+        a.idle_steps += 1
+        if a.idle_steps >= self.probe_interval:
+            a.idle_steps = 0
+            return 1
+        return 0
+
+    def alpha(self, req: Request) -> float:
+        return self._acc.setdefault(req, _Acceptance()).alpha
+
+
+def best_length(alpha: float, max_drafts: int, cost_per_draft: float) -> int:
+    """argmax over k in [0, max_drafts] of expected tokens per verify step / its cost."""
+    best, best_rate = 0, 1.0
+    for k in range(1, max_drafts + 1):
+        expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        rate = expected / (1 + k * cost_per_draft)
+        if rate > best_rate * 1.02:  # ties go to the shorter draft
+            best, best_rate = k, rate
+    return best

@@ -1,0 +1,135 @@
+"""Chain speculation: configuration checks, the proposer factory, and ChainSpecDecoder.
+
+`make_spec_decoder(config, engine)` is what SpecDecoder.create calls when a method is set.
+It validates the speculative config (unknown method, k < 1, bad lookup bounds, a draft with
+another vocabulary: ValueError at start) and returns a ChainSpecDecoder around one Proposer:
+
+    ngram        specserve.spec.ngram.NgramProposer (prompt lookup)
+    draft_model  specserve.spec.draft_model.DraftModelProposer (a second model runner)
+
+ChainSpecDecoder inherits sampling and verification from SpecDecoder; it adds `propose`
+(pick each request's draft length with AdaptiveLength, ask the proposer, put the chain on
+the request), feeds verify results back to the adaptive rule, and logs the acceptance
+figures every `log_interval` seconds on the "specserve.spec" logger.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+from specserve.config import SpecConfig
+from specserve.model.runner import StepLogits
+from specserve.request import Request
+from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.spec.adaptive import AdaptiveLength
+from specserve.spec.draft_tree import Proposer
+from specserve.spec.step import SpecDecoder, StepResult
+
+logger = logging.getLogger("specserve.spec")
+
+METHODS = ("ngram", "draft_model")
+# keys of our own, beside vLLM's: "adaptive" (bool, default true), "verify_cost" (float)
+OWN_KEYS = {"adaptive", "verify_cost"}
+
+
+def validate_spec_config(config: SpecConfig) -> None:
+    if config.method not in METHODS:
+        later = " (tree methods come later)" if config.method in ("eagle", "medusa") else ""
+        raise ValueError(f"speculative_config.method: unknown method {config.method!r}{later}; "
+                         f"expected one of {', '.join(METHODS)}")
+    k = config.num_speculative_tokens
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config.num_speculative_tokens: must be an integer >= 1, got {k!r}")
+    if config.method == "ngram":
+        lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
+        if not isinstance(lo, int) or not isinstance(hi, int) or lo < 1 or hi < lo:
+            raise ValueError("speculative_config.prompt_lookup_min/max: need integers with "
+                             f"1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r}, {hi!r}")
+    if config.method == "draft_model" and not config.model:
+        raise ValueError("speculative_config.model: method 'draft_model' needs a draft model "
+                         "(a model directory, a .gguf file or an alias)")
+    if not isinstance(config.extra.get("adaptive", True), bool):
+        raise ValueError("speculative_config.adaptive: must be true or false")
+    unknown = sorted(set(config.extra) - OWN_KEYS)
+    if unknown:  # vLLM has many more keys; accept them so configs carry over
+        logger.warning("speculative_config: ignoring keys %s", ", ".join(unknown))
+
+
+def make_spec_decoder(config: SpecConfig, engine) -> "ChainSpecDecoder":
+    validate_spec_config(config)
+    k = config.num_speculative_tokens
+    if config.method == "ngram":
+        from specserve.spec.ngram import NgramProposer
+
+        proposer: Proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+    else:
+        from specserve.spec.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(config.model, engine)
+    return ChainSpecDecoder(config, engine, proposer)
+
+
+class ChainSpecDecoder(SpecDecoder):
+    """Speculation with one chain per request, drawn by `proposer`."""
+
+    log_interval = 5.0
+
+    def __init__(self, config: SpecConfig, engine, proposer: Proposer) -> None:
+        super().__init__(config, engine)
+        self.proposer = proposer
+        self.max_drafts = config.num_speculative_tokens
+        self.adaptive = AdaptiveLength(self.max_drafts, config.extra.get("adaptive", True),
+                                       float(config.extra.get("verify_cost", 0.05)))
+        self._propose_end = 0.0
+        self._last_log = time.monotonic()
+        self._last_stats = None
+
+    def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:
+        if self._propose_end and self.proposer.name == "draft_model":
+            target_s = time.perf_counter() - self._propose_end  # schedule + target forward
+            drafted = max((len(r.spec_token_ids) for r in sched.requests), default=0)
+            if drafted:
+                self.adaptive.observe_costs(target_s, self.proposer.last_forward_time / drafted)
+        return super().sample_and_verify(sched, step)
+
+    def _count(self, req: Request, k: int, accepted: int) -> None:
+        super()._count(req, k, accepted)
+        if k:
+            self.adaptive.observe(req, k, accepted)
+
+    def propose(self, running: list[Request]) -> None:
+        reqs, ks = [], []
+        max_len = self.engine.max_model_len
+        for req in running:
+            # only requests past their prefill, with every token but the last computed
+            if req.num_output_tokens == 0 or req.num_computed_tokens < req.num_tokens - 1:
+                continue
+            room = min(req.max_tokens - req.num_output_tokens, max_len - req.num_tokens) - 1
+            k = min(self.adaptive.num_drafts(req), room)
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+        if reqs:
+            for req, tree in zip(reqs, self.proposer.propose(reqs, ks)):
+                if tree is None or not len(tree):
+                    continue
+                assert tree.is_chain, "only chains are verified for now"
+                req.spec_token_ids = tree.tokens
+                req.spec_draft_probs = tree.probs
+        self._propose_end = time.perf_counter()
+        self._maybe_log()
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self.log_interval:
+            return
+        stats = self.engine._stats
+        prev = self._last_stats
+        if stats.spec_num_drafts == (prev.spec_num_drafts if prev else 0):
+            return
+        from specserve.metrics import format_spec_log
+
+        logger.info(format_spec_log(stats, prev))
+        self._last_log, self._last_stats = now, copy.deepcopy(stats)
