@@ -44,5 +44,10 @@ test-kernels: install
 bench: model
 	$(VENV)/bin/specserve bench offline
 
+lint: install
+	$(PIP) install -q -e '.[lint]'
+	$(VENV)/bin/ruff check specserve tests benchmarks
+	$(VENV)/bin/hadolint docker/Dockerfile
+
 clean:
 	rm -rf $(VENV) build *.egg-info

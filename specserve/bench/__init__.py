@@ -1,0 +1,1 @@
+"""Benchmark implementations behind `specserve bench` (offline, serve, spec)."""
