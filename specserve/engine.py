@@ -129,6 +129,10 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
     def stats(self) -> EngineStats:
         s = self._stats
         s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
