@@ -36,7 +36,8 @@ test: model
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
 test-all: model
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PIP) install -q -e '.[dev,fuzz]'
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 test-kernels: install
 	$(PY) -m pytest -q tests/kernels $(PYTEST_ARGS)
