@@ -1,0 +1,43 @@
+"""Shared prompts and checks for the speculative-decoding tests (tests/test_spec_*.py)."""
+
+from __future__ import annotations
+
+TEXT = ("The city council met on Tuesday to discuss the new library. The new library will open "
+        "in March and will have a large reading room, a children's section and a cafe. The "
+        "council said the new library will cost four million dollars.")
+
+# prompts where prompt lookup finds matches (repetition, quoting the text back)
+HIT_PROMPTS = [
+    "Repeat after me: the quick brown fox jumps over the lazy dog. the quick brown fox jumps "
+    "over the lazy dog. the quick brown",
+    f"{TEXT}\n\nSummarize the text above in one sentence, reusing its words.\nSummary: The",
+]
+# prompts with little to copy
+MISS_PROMPTS = ["Write a haiku about autumn.", "What is 17 times 23?"]
+
+
+def set_num_drafts(llm, k: int) -> None:
+    """Use k drafts per step (<= the configured k) with adaptive length off: one engine
+    serves k = 1, 3 and 5 instead of loading the model three times."""
+    spec = llm.engine.spec
+    assert k <= spec.max_drafts
+    spec.adaptive.enabled = False
+    spec.adaptive.max_drafts = k
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def check_prefix_cache(engine, sequences: list[list[int]]) -> None:
+    """Every block key in the prefix cache is a full block of some committed sequence."""
+    bs = engine.kv.block_size
+    valid = set()
+    for seq in sequences:
+        parent = 0
+        for i in range(len(seq) // bs):
+            key = (parent, tuple(seq[i * bs:(i + 1) * bs]))
+            valid.add(key)
+            parent = hash(key)
+    for key in engine.kv.pool._block_of:
+        assert key in valid, "a cached block holds tokens that no request committed"

@@ -1,0 +1,93 @@
+"""Sampled speculation is lossless: the tokens of a speculative engine follow the target's
+distribution exactly (chi-square on a 16-token vocabulary), and the test has the power to
+catch a broken rule (always accept)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import specserve.kernels
+from specserve import SamplingParams
+from tests.conftest import write_tiny_model
+
+VOCAB = 16
+PROMPT = [3, 7, 1, 12, 5]
+NUM_SAMPLES = 3000
+TEMPERATURE = 0.8
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("sampled")
+    target = write_tiny_model(root / "target", default_model_dir, vocab_size=VOCAB, seed=0)
+    draft = write_tiny_model(root / "draft", default_model_dir, vocab_size=VOCAB, seed=3, layers=1)
+    return target, draft
+
+
+def exact_third_token(target_dir) -> np.ndarray:
+    """P(3rd generated token) under the target with TEMPERATURE, marginalised over the first
+    two (V^2 paths), computed with Hugging Face transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        def next_probs(seqs):
+            return (model(torch.tensor(seqs)).logits[:, -1].double() / TEMPERATURE).softmax(-1)
+
+        p1 = next_probs([PROMPT])[0]  # [V]
+        p2 = next_probs([PROMPT + [a] for a in range(VOCAB)])  # [V, V]
+        p3 = next_probs([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
+        joint = p1[:, None, None] * p2[:, :, None] * p3.view(VOCAB, VOCAB, VOCAB)
+    return joint.sum((0, 1)).numpy()
+
+
+def third_tokens(llm) -> np.ndarray:
+    params = [SamplingParams(temperature=TEMPERATURE, max_tokens=3, ignore_eos=True, seed=s)
+              for s in range(NUM_SAMPLES)]
+    outs = llm.generate([PROMPT] * NUM_SAMPLES, params)
+    return np.bincount([o.outputs[0].token_ids[2] for o in outs], minlength=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def spec_llm(make_llm, models):
+    target, draft = models
+    # 3000 sequences of 8 tokens: 2 tokens a block, 1 block each for drafts
+    return make_llm(str(target), num_blocks=8192, block_size=2, max_num_seqs=512,
+                    max_num_batched_tokens=4096, speculative_config={
+                        "method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
+                        "adaptive": False})
+
+
+def _pvalue(counts, probs) -> float:
+    keep = probs * counts.sum() >= 5  # pool rare tokens into one cell
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def test_speculative_sampling_matches_target(spec_llm, models):
+    probs = exact_third_token(models[0])
+    stats = spec_llm.engine.stats
+    counts = third_tokens(spec_llm)
+    # drafts were really verified, with rejections, and the draft differs from the target
+    assert stats.spec_num_draft_tokens >= NUM_SAMPLES
+    assert 0.1 < stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens < 0.9
+    assert _pvalue(counts, probs) > 1e-3
+
+
+def test_broken_rule_is_detected(spec_llm, models, monkeypatch):
+    """Accepting every draft samples from the draft's distribution: the test must notice."""
+    real = specserve.kernels.rejection_sample
+
+    def always_accept(drafts, num_draft, draft_probs, target, greedy, uniforms, noise):
+        return real(drafts, num_draft, draft_probs, target, greedy, torch.zeros_like(uniforms) - 1,
+                    noise)
+
+    monkeypatch.setattr(specserve.kernels, "rejection_sample", always_accept)
+    probs = exact_third_token(models[0])
+    assert _pvalue(third_tokens(spec_llm), probs) < 1e-6
