@@ -60,7 +60,7 @@ class KVCacheManager:
     def can_allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> bool:
         # touching an evictable hit removes it from the free count
         hit_from_free = sum(1 for b in hits if self.pool.ref_count[b] == 0)
-        needed = self.blocks_needed(req, num_new_tokens - len(hits) * self.block_size, len(hits))
+        needed = self.blocks_needed(req, num_new_tokens, len(hits))  # num_new counts the hits
         return needed + hit_from_free <= self.pool.num_free
 
     def allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> None:
