@@ -41,3 +41,18 @@ def check_prefix_cache(engine, sequences: list[list[int]]) -> None:
             parent = hash(key)
     for key in engine.kv.pool._block_of:
         assert key in valid, "a cached block holds tokens that no request committed"
+
+
+MAX_TOKENS = 32
+
+
+def greedy_baseline(llm) -> dict[str, list[int]]:
+    """Plain greedy outputs (MAX_TOKENS) of every test prompt, computed once per session."""
+    cached = getattr(llm, "_spec_baseline", None)
+    if cached is None:
+        from specserve import SamplingParams
+
+        prompts = HIT_PROMPTS + MISS_PROMPTS
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+        cached = llm._spec_baseline = dict(zip(prompts, token_ids(outs)))
+    return cached

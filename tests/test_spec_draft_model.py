@@ -7,10 +7,11 @@ import pytest
 
 from specserve import SamplingParams
 from tests.conftest import write_tiny_model
-from tests.spec_helpers import HIT_PROMPTS, MISS_PROMPTS, check_prefix_cache, set_num_drafts, token_ids
+from tests.spec_helpers import (HIT_PROMPTS, MAX_TOKENS, MISS_PROMPTS, check_prefix_cache,
+                                greedy_baseline, set_num_drafts, token_ids)
 
-GREEDY = SamplingParams(temperature=0, max_tokens=24)
-PROMPTS = [HIT_PROMPTS[1], MISS_PROMPTS[0]]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+PROMPTS = [HIT_PROMPTS[1], MISS_PROMPTS[0], HIT_PROMPTS[0]]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,8 @@ def self_draft_llm(make_llm):
 
 @pytest.fixture(scope="module")
 def baseline(llm):
-    return token_ids(llm.generate(PROMPTS + [HIT_PROMPTS[0]], GREEDY))
+    expect = greedy_baseline(llm)
+    return [expect[p] for p in PROMPTS]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -35,7 +37,7 @@ def test_greedy_equals_plain_and_all_drafts_accepted(self_draft_llm, baseline, k
         assert token_ids(self_draft_llm.generate(HIT_PROMPTS[0], GREEDY))[0] == baseline[2]
     # a batch; the max_tokens=1 request never speculates
     params = [GREEDY, GREEDY, SamplingParams(temperature=0, max_tokens=1)]
-    outs = self_draft_llm.generate(PROMPTS + [HIT_PROMPTS[0]], params)
+    outs = self_draft_llm.generate(PROMPTS, params)
     assert token_ids(outs) == baseline[:2] + [baseline[2][:1]]
     assert outs[2].num_draft_tokens == 0
     assert stats.spec_num_draft_tokens > drafted

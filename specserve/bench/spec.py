@@ -1,0 +1,202 @@
+"""`specserve bench spec`: speculative decoding over the Spec-Bench prompts, offline.
+
+Greedy, batch 1, first turn of each prompt (chat template applied). For every prompt the
+engines run back to back (no speculation, n-gram, and a draft model when --draft-model is
+given), so machine noise hits all of them alike. Reports per Spec-Bench category: tokens/s of
+each engine, speedup over no speculation, and mean acceptance length (1 + accepted drafts per
+verify step); checks that speculative outputs equal the plain ones token for token. Writes a
+table to stdout and spec_bench.json + spec_bench.png into --out.
+
+Categories follow Spec-Bench: the 80 MT-bench questions form "mt_bench"; translation,
+summarization, qa, math_reasoning and rag have 80 prompts each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+def load_prompts(categories: list[str], limit: int | None) -> list[tuple[str, str]]:
+    """(category, first turn) pairs, at most `limit` per category, in file order."""
+    text = resources.files("specserve").joinpath("data/spec_bench/question.jsonl").read_text()
+    out, seen = [], {c: 0 for c in categories}
+    for line in text.splitlines():
+        q = json.loads(line)
+        cat = "mt_bench" if q["category"] in MT_BENCH else q["category"]
+        if cat in seen and (limit is None or seen[cat] < limit):
+            seen[cat] += 1
+            out.append((cat, q["turns"][0]))
+    return out
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default=None, help="target model (default: the default model)")
+    parser.add_argument("--draft-model", default=None,
+                        help="also run method draft_model with this draft (same vocabulary)")
+    parser.add_argument("--category", action="append", choices=CATEGORIES, default=None,
+                        help="categories to run (repeatable; default: all)")
+    parser.add_argument("--limit", type=int, default=5, help="prompts per category")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--prompt-lookup-min", type=int, default=1)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--no-adaptive", action="store_true", help="fixed draft length")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--out", default="bench_out/spec", help="directory for JSON and PNG")
+    return parser
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    seconds: float = 0.0
+    decode_tokens: int = 0  # after the first token: the part speculation speeds up
+    decode_seconds: float = 0.0
+    drafts: int = 0
+    accepted: int = 0
+    mismatches: int = 0
+    per_prompt: list[float] = field(default_factory=list)  # tokens/s per prompt
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1 + self.accepted / self.drafts if self.drafts else 1.0
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    from specserve import LLM, SamplingParams
+
+    categories = args.category or CATEGORIES
+    prompts = load_prompts(categories, args.limit)
+    engines = {"none": LLM(args.model, max_model_len=args.max_model_len)}
+    common = {"num_speculative_tokens": args.num_speculative_tokens,
+              "adaptive": not args.no_adaptive}
+    engines["ngram"] = LLM(args.model, max_model_len=args.max_model_len, speculative_config={
+        "method": "ngram", "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max, **common})
+    if args.draft_model:
+        engines["draft_model"] = LLM(args.model, max_model_len=args.max_model_len,
+                                     speculative_config={"method": "draft_model",
+                                                         "model": args.draft_model, **common})
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    tallies = {c: {m: Tally() for m in engines} for c in categories}
+    for cat, turn in tqdm(prompts, desc="spec bench", unit="prompt"):
+        ids = engines["none"].apply_chat_template([{"role": "user", "content": turn}])
+        ids = ids[-(args.max_model_len - args.max_tokens - 8):]  # keep room to generate
+        reference = None
+        for method, llm in engines.items():
+            stats = llm.engine.stats
+            d0, a0 = stats.spec_num_drafts, stats.spec_num_accepted_tokens
+            start = time.perf_counter()
+            result = llm.generate({"prompt_token_ids": ids}, params)[0]
+            elapsed = time.perf_counter() - start
+            out = result.outputs[0]
+            t = tallies[cat][method]
+            t.tokens += len(out.token_ids)
+            t.seconds += elapsed
+            t.decode_tokens += len(out.token_ids) - 1
+            t.decode_seconds += result.finished_time - result.first_token_time
+            t.per_prompt.append(len(out.token_ids) / elapsed)
+            t.drafts += stats.spec_num_drafts - d0
+            t.accepted += stats.spec_num_accepted_tokens - a0
+            if reference is None:
+                reference = out.token_ids
+            elif out.token_ids != reference:
+                t.mismatches += 1
+    result = _summarise(args, tallies, list(engines))
+    _print_table(result)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "spec_bench.json").write_text(json.dumps(result, indent=2))
+    _plot(result, out_dir / "spec_bench.png")
+    print(f"wrote {out_dir / 'spec_bench.json'} and {out_dir / 'spec_bench.png'}")
+    return result
+
+
+def _summarise(args, tallies, methods) -> dict:
+    rows = []
+    for cat, by_method in tallies.items():
+        base, base_dec = by_method["none"].tps, by_method["none"].decode_tps
+        for m in methods:
+            t = by_method[m]
+            rows.append({"category": cat, "method": m, "tokens": t.tokens,
+                         "seconds": round(t.seconds, 3), "tokens_per_s": round(t.tps, 2),
+                         "speedup_e2e": round(t.tps / base, 3) if base else None,
+                         "decode_tokens_per_s": round(t.decode_tps, 2),
+                         "speedup": round(t.decode_tps / base_dec, 3) if base_dec else None,
+                         "mean_acceptance_length": round(t.acceptance_length, 3),
+                         "mismatches": t.mismatches})
+    totals = {}
+    for m in methods:
+        tok = sum(tallies[c][m].decode_tokens for c in tallies)
+        sec = sum(tallies[c][m].decode_seconds for c in tallies)
+        totals[m] = tok / sec if sec else 0.0
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} "
+            f"{platform.processor() or ''} ({__import__('os').cpu_count()} cpus)".strip(),
+            "config": {k: v for k, v in vars(args).items() if k != "func"},
+            "rows": rows,
+            "overall": {m: {"decode_tokens_per_s": round(v, 2),
+                            "speedup": round(v / totals["none"], 3) if totals["none"] else None}
+                        for m, v in totals.items()}}
+
+
+def _print_table(result: dict) -> None:
+    print(f"{'category':<16}{'method':<13}{'e2e tok/s':>10}{'decode tok/s':>13}{'speedup':>9}"
+          f"{'acc.len':>9}{'mismatch':>10}")
+    for r in result["rows"]:
+        print(f"{r['category']:<16}{r['method']:<13}{r['tokens_per_s']:>10.2f}"
+              f"{r['decode_tokens_per_s']:>13.2f}{r['speedup']:>9.2f}"
+              f"{r['mean_acceptance_length']:>9.2f}{r['mismatches']:>10}")
+    for m, o in result["overall"].items():
+        print(f"{'overall':<16}{m:<13}{'':>10}{o['decode_tokens_per_s']:>13.2f}{o['speedup']:>9.2f}")
+    print("speedup: decode tokens/s (after the first token) over no speculation")
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = list(dict.fromkeys(r["category"] for r in result["rows"]))
+    methods = [m for m in dict.fromkeys(r["method"] for r in result["rows"]) if m != "none"]
+    fig, ax = plt.subplots(figsize=(1.6 * len(cats) + 2, 4))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        vals = [next(r["speedup"] for r in result["rows"] if r["category"] == c and r["method"] == m)
+                for c in cats]
+        ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats, rotation=20)
+    ax.set_ylabel("decode speedup over no speculation")
+    ax.set_title(f"Spec-Bench, greedy, batch 1 ({result['date']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
