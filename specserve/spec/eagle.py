@@ -1,0 +1,188 @@
+"""EagleProposer: EAGLE-2 dynamic draft trees from a feature-level head (specserve.spec.eagle_head).
+
+Per request the proposer keeps a cache, never the truth: the target features f_0..f_{m-1} it
+was shown (`observe`) and the head's K/V for the committed pairs (f_t, x_{t+1}), t < P <= m.
+`propose` first extends the head's cache over the new committed pairs up to the last committed
+token x_n (that pass also yields f_hat_n, whose logits are the root's draft distribution), then
+grows a tree (EAGLE-2, Li et al. 2024):
+
+  * depth 1: the top-k tokens of the root distribution, scored by their log-probability;
+  * each further depth: the k best-scored nodes of the last depth are run through the head
+    together (each sees the committed pairs, its tree ancestors and itself) and each adds its
+    top-k children with score = parent score + log q(child);
+  * rerank: the m best-scored nodes of the whole tree (ancestors always score at least as high
+    as their descendants, so the set is a tree) are returned, parents first.
+
+Nodes are the deterministic top-k of the draft, so the DraftTree carries no probabilities
+(one-hot q): tree verification then stays exact under sampling too.
+
+The head scores a restricted vocabulary when its checkpoint has `d2t` (the N most frequent
+tokens): logits = f_hat @ W_lm[d2t].T, and draft ids map back through d2t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specserve.spec.draft_tree import DraftTree
+
+DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smollm2-135m"
+
+
+@dataclass
+class _HeadCache:
+    feats: list[torch.Tensor] = field(default_factory=list)  # target features f_t, each [hidden]
+    keys: torch.Tensor | None = None  # [1, P, Hkv, D] head keys of committed pairs
+    values: torch.Tensor | None = None
+    last_out: torch.Tensor | None = None  # [hidden] head output of pair P - 1 (f_hat_P)
+
+
+class EagleProposer:
+    name = "eagle"
+
+    def __init__(self, target_model, head_dir: str | Path | None = None, num_speculative_tokens: int = 16,
+                 depth: int = 5, topk: int = 4, max_positions: int = 8192) -> None:
+        from specserve.spec.heads_io import load_eagle
+
+        self.m, self.depth, self.topk = num_speculative_tokens, depth, topk
+        if self.m < 1 or self.depth < 1 or self.topk < 1:
+            raise ValueError("speculative_config: num_speculative_tokens, depth and topk must be >= 1")
+        param = target_model.lm_head.weight
+        self.device, self.dtype = param.device, param.dtype
+        head, d2t, embed = load_eagle(head_dir or DEFAULT_EAGLE_DIR, target_model.arch, max_positions)
+        self.head = head.to(self.device, self.dtype)
+        self.head.rotary.float()
+        self.embed = (embed.to(self.device, self.dtype) if embed is not None
+                      else target_model.embed_tokens.weight)
+        self.d2t = d2t.to(self.device) if d2t is not None else None
+        w = target_model.lm_head.weight
+        self.lm_weight = w.index_select(0, self.d2t).contiguous() if d2t is not None else w  # [N, hidden]
+        self.cache: dict[str, _HeadCache] = {}
+
+    # -- state ------------------------------------------------------------------------------------
+    def observe(self, req, start: int, hidden: torch.Tensor) -> None:
+        """The target's features of positions start .. start + n - 1 (hidden: [n, hidden]).
+        Anything cached at or past `start` is dropped first (rollback, recompute)."""
+        c = self.cache.setdefault(req.request_id, _HeadCache())
+        del c.feats[start:]
+        if len(c.feats) < start:  # a gap (e.g. a prefix-cache hit): cannot draft this request
+            return
+        c.feats.extend(hidden.detach().to(self.dtype).unbind(0))
+        self._truncate_pairs(c, start)
+
+    def free(self, req) -> None:
+        self.cache.pop(req.request_id, None)
+
+    @staticmethod
+    def _truncate_pairs(c: _HeadCache, num_pairs: int) -> None:
+        if c.keys is not None and c.keys.shape[1] > num_pairs:
+            c.keys, c.values = c.keys[:, :num_pairs], c.values[:, :num_pairs]
+            c.last_out = None
+
+    # -- drafting ---------------------------------------------------------------------------------
+    def _scores(self, out: torch.Tensor) -> torch.Tensor:
+        """out: [N, hidden] -> draft log-probabilities [N, V'] (float32)."""
+        return torch.log_softmax((out @ self.lm_weight.T).float(), -1)
+
+    def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.d2t[ids] if self.d2t is not None else ids
+
+    @torch.inference_mode()
+    def _extend(self, c: _HeadCache, tokens: list[int]) -> torch.Tensor | None:
+        """Run the head over committed pairs P .. n-1 (n = last token index); -> f_hat_n [hidden]."""
+        n = len(tokens) - 1
+        if len(c.feats) < n:
+            return None
+        p = 0 if c.keys is None else c.keys.shape[1]
+        if p == n and c.last_out is not None:
+            return c.last_out
+        if p == n:  # rolled back exactly to here: recompute the last pair
+            self._truncate_pairs(c, n - 1)
+            p = n - 1
+        feats = torch.stack(c.feats[p:n])[None]
+        ids = torch.tensor(tokens[p + 1:n + 1], device=self.device)
+        pos = torch.arange(p, n, device=self.device)
+        mask = None
+        if p > 0:
+            mask = torch.ones(1, n - p, n, dtype=torch.bool, device=self.device)
+            mask[0, :, p:] = torch.tril(mask[0, :, p:])
+        out, k, v = self.head(feats, self.embed[ids][None], pos, c.keys, c.values, mask)
+        c.keys = k if c.keys is None else torch.cat([c.keys, k], 1)
+        c.values = v if c.values is None else torch.cat([c.values, v], 1)
+        c.last_out = out[0, -1]
+        return c.last_out
+
+    @torch.inference_mode()
+    def propose_one(self, req, max_drafts: int) -> DraftTree | None:
+        c = self.cache.get(req.request_id)
+        budget = min(self.m, max_drafts)
+        if c is None or budget < 1:
+            return None
+        root = self._extend(c, req.all_token_ids)
+        if root is None:
+            return None
+        n, k = req.num_tokens - 1, self.topk
+        # node records: token (target id), parent node, score; tree K/V for the expanded nodes
+        logp = self._scores(root[None])[0]
+        top_lp, top_ix = logp.topk(k)
+        tokens = self._to_target_ids(top_ix).tolist()
+        parents = [-1] * k
+        scores = top_lp.tolist()
+        frontier = list(range(k))  # nodes to expand at the next depth
+        parent_out = [root] * k  # head output that node i's pair reads (its parent's f_hat)
+        anc: list[list[int]] = [[] for _ in range(k)]  # expanded-node rows each node descends from
+        tree_k = tree_v = None
+        num_rows = 0
+        past = c.keys.shape[1]
+        for d in range(1, self.depth):
+            f = len(frontier)
+            feats = torch.stack([parent_out[i] for i in frontier])[None]
+            ids = torch.tensor([tokens[i] for i in frontier], device=self.device)
+            pos = torch.full((f,), n + d - 1, device=self.device)
+            mask = torch.zeros(1, f, past + num_rows + f, dtype=torch.bool, device=self.device)
+            mask[0, :, :past] = True
+            for j, i in enumerate(frontier):
+                mask[0, j, [past + a for a in anc[i]] + [past + num_rows + j]] = True
+            pk = c.keys if tree_k is None else torch.cat([c.keys, tree_k], 1)
+            pv = c.values if tree_v is None else torch.cat([c.values, tree_v], 1)
+            out, kk, vv = self.head(feats, self.embed[ids][None], pos, pk, pv, mask)
+            tree_k = kk if tree_k is None else torch.cat([tree_k, kk], 1)
+            tree_v = vv if tree_v is None else torch.cat([tree_v, vv], 1)
+            child_lp, child_ix = self._scores(out[0]).topk(k, -1)  # [f, k]
+            cum = torch.tensor([scores[i] for i in frontier], device=child_lp.device)[:, None] + child_lp
+            child_tok = self._to_target_ids(child_ix).tolist()
+            cum_l = cum.tolist()
+            new_nodes = []
+            for j, i in enumerate(frontier):
+                for r in range(k):
+                    tokens.append(child_tok[j][r])
+                    parents.append(i)
+                    scores.append(cum_l[j][r])
+                    parent_out.append(out[0, j])
+                    anc.append(anc[i] + [num_rows + j])
+                    new_nodes.append(len(tokens) - 1)
+            num_rows += f
+            best = cum.flatten().topk(min(k, cum.numel())).indices.tolist()
+            frontier = [new_nodes[b] for b in best]
+        return _rerank(tokens, parents, scores, budget)
+
+    def propose(self, requests: list, max_drafts: list[int]) -> list[DraftTree | None]:
+        return [self.propose_one(r, m) for r, m in zip(requests, max_drafts)]
+
+
+def _rerank(tokens: list[int], parents: list[int], scores: list[float], m: int) -> DraftTree:
+    """The m best-scored nodes (ties: earlier node first, so parents precede children), in
+    creation order, re-indexed."""
+    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))
+    chosen: set[int] = set()
+    for i in order:
+        if len(chosen) == m:
+            break
+        if parents[i] < 0 or parents[i] in chosen:
+            chosen.add(i)
+    keep = sorted(chosen)
+    index = {old: new for new, old in enumerate(keep)}
+    return DraftTree([tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep])

@@ -1,0 +1,131 @@
+"""Draft-head checkpoints: EAGLE-1 and Medusa public layouts, plus our restricted vocabulary.
+
+EAGLE-1 directory: config.json (a LlamaConfig with num_hidden_layers 1) and pytorch_model.bin
+or model.safetensors with `fc.weight`, `fc.bias`, `layers.0.self_attn.{q,k,v,o}_proj.weight`,
+`layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight`, and
+optionally `embed_tokens.weight` (a copy of the target's) and `layers.0.input_layernorm.weight`
+(absent in EAGLE-1, whose layer 0 has no input norm). Our own heads add `d2t` (int64 [N]:
+draft index -> target token id, ascending) when the draft scores only N frequent tokens, and
+config keys `draft_vocab_size`.
+
+Medusa directory: config.json with `medusa_num_heads` and `medusa_num_layers`, and
+medusa_lm_head.safetensors (or medusa_lm_head.pt) with `{k}.{l}.linear.weight/bias` for the
+residual blocks of head k and `{k}.{num_layers}.weight` for its own LM head (optional here:
+without it the head uses the target's LM head).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specserve.model.arch import ModelArch
+
+
+def read_weights(model_dir: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    for name in names:
+        path = Path(model_dir) / name
+        if path.is_file():
+            if path.suffix == ".safetensors":
+                from safetensors.torch import load_file
+
+                return load_file(str(path))
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            return state.get("state_dict", state) if isinstance(state, dict) else state
+    raise ValueError(f"speculative_config: no weights ({', '.join(names)}) in {model_dir}")
+
+
+def _check_compatible(arch: ModelArch, target: ModelArch, what: str) -> None:
+    if arch.hidden_size != target.hidden_size:
+        raise ValueError(f"speculative_config: {what} has hidden size {arch.hidden_size}, "
+                         f"the target {target.hidden_size}")
+
+
+def load_eagle(model_dir: Path | str, target: ModelArch, max_positions: int = 8192):
+    """-> (EagleHead in float32 on CPU, d2t int64 [N] or None, embed_tokens [V, hidden] or None)."""
+    from specserve.spec.eagle_head import EagleHead
+
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.setdefault("model_type", "llama")
+    cfg.setdefault("vocab_size", target.vocab_size)
+    arch = ModelArch.from_dict(cfg)
+    _check_compatible(arch, target, "the EAGLE head")
+    state = read_weights(model_dir, ("model.safetensors", "pytorch_model.bin"))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    d2t = state.pop("d2t", None)
+    embed = state.pop("embed_tokens.weight", None)
+    state.pop("lm_head.weight", None)  # drafts use the target's LM head
+    head = EagleHead(arch, max_positions, fc_bias="fc.bias" in state,
+                     input_norm="layers.0.input_layernorm.weight" in state)
+    missing, unexpected = head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"speculative_config: EAGLE checkpoint mismatch: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    return head.float().eval(), (d2t.long() if d2t is not None else None), embed
+
+
+def save_eagle(head, d2t: torch.Tensor | None, out_dir: Path | str, dtype=torch.float16,
+               extra: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    a = head.arch
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+           "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads,
+           "head_dim": a.head_dim, "num_hidden_layers": 1, "rms_norm_eps": a.rms_norm_eps,
+           "rope_theta": a.rope_theta, "vocab_size": a.vocab_size,
+           "max_position_embeddings": a.max_position_embeddings, "tie_word_embeddings": False,
+           "bias": head.fc.bias is not None, **(extra or {})}
+    if d2t is not None:
+        cfg["draft_vocab_size"] = int(d2t.numel())
+    state = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
+    if d2t is not None:
+        state["d2t"] = d2t.to(torch.int64).contiguous()
+    tmp = out_dir / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def load_medusa(model_dir: Path | str, target: ModelArch):
+    """-> (MedusaHeads in float32, d2t or None). Accepts the public Medusa layout."""
+    from specserve.spec.medusa import MedusaHeads
+
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    state = read_weights(model_dir, ("medusa_lm_head.safetensors", "medusa_lm_head.pt",
+                                     "model.safetensors"))
+    state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
+    d2t = state.pop("d2t", None)
+    num_heads = int(cfg.get("medusa_num_heads", 1 + max(int(k.split(".")[0]) for k in state)))
+    num_layers = int(cfg.get("medusa_num_layers", 1))
+    own_lm_head = f"0.{num_layers}.weight" in state
+    hidden = state["0.0.linear.weight"].shape[1]
+    if hidden != target.hidden_size:
+        raise ValueError(f"speculative_config: Medusa heads have hidden size {hidden}, "
+                         f"the target {target.hidden_size}")
+    vocab = state[f"0.{num_layers}.weight"].shape[0] if own_lm_head else 0
+    heads = MedusaHeads(num_heads, num_layers, hidden, vocab)
+    heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return heads.float().eval(), (d2t.long() if d2t is not None else None)
+
+
+def save_medusa(heads, d2t: torch.Tensor | None, out_dir: Path | str, dtype=torch.float16) -> None:
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
+    if d2t is not None:
+        state["d2t"] = d2t.to(torch.int64).contiguous()
+    save_file(state, str(out_dir / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
+    cfg = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
+           "hidden_size": heads.hidden_size}
+    if d2t is not None:
+        cfg["draft_vocab_size"] = int(d2t.numel())
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -1,0 +1,117 @@
+"""Medusa heads (Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple
+Decoding Heads", 2024): K extra heads on the target's last feature f_t; head k predicts token
+t + k + 2 (the target's own LM head predicts t + 1). Each head is `num_layers` residual blocks
+x + SiLU(W x + b) followed by its own LM head, or the target's when it has none.
+
+Module layout (= the public medusa_lm_head checkpoint): `{k}.{l}.linear.weight/bias`,
+`{k}.{num_layers}.weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)  # starts as the identity, as Medusa does
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.ModuleList):
+    """vocab 0: the heads have no LM head of their own (the caller applies the target's)."""
+
+    def __init__(self, num_heads: int, num_layers: int, hidden: int, vocab: int = 0) -> None:
+        heads = []
+        for _ in range(num_heads):
+            blocks: list[nn.Module] = [ResBlock(hidden) for _ in range(num_layers)]
+            if vocab:
+                blocks.append(nn.Linear(hidden, vocab, bias=False))
+            heads.append(nn.Sequential(*blocks))
+        super().__init__(heads)
+        self.num_heads, self.num_layers, self.hidden_size, self.vocab = num_heads, num_layers, hidden, vocab
+
+    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x: [..., hidden] -> K tensors [..., hidden] (before any LM head)."""
+        return [head[:self.num_layers](x) for head in self]
+
+    def logits(self, x: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden] -> [K, N, V'] with each head's own LM head, else `lm_head_weight` [V', hidden]."""
+        out = []
+        for head, f in zip(self, self.features(x)):
+            out.append(head[self.num_layers](f) if self.vocab else f @ lm_head_weight.T)
+        return torch.stack(out)
+
+
+# depth-1..4 paths of top-k ranks; every prefix of a path is itself in the list
+DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 2),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0),
+)
+
+
+def tree_from_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
+    """Validated, sorted (shorter first) rank paths no deeper than the heads reach."""
+    paths = sorted({tuple(c) for c in choices if 0 < len(c) <= num_heads}, key=lambda c: (len(c), c))
+    have = set(paths)
+    for c in paths:
+        if len(c) > 1 and c[:-1] not in have:
+            raise ValueError(f"speculative_config.medusa_tree: path {list(c)} lacks its prefix")
+    return paths
+
+
+class MedusaProposer:
+    """Medusa drafting: the heads read the target's feature of the token before the pending
+    one (f_{n-1}: its LM head gave x_n, head k proposes x_{n+k+1}); the tree takes, for a path of
+    ranks (r_1..r_d), the r_d-th best token of head d-1. Nodes are deterministic top-k
+    candidates, so the DraftTree has no probabilities (one-hot q: exact under sampling)."""
+
+    name = "medusa"
+
+    def __init__(self, target_model, heads_dir, num_speculative_tokens: int = 64,
+                 tree: list | None = None) -> None:
+        from specserve.spec.heads_io import load_medusa
+
+        w = target_model.lm_head.weight
+        self.device, self.dtype = w.device, w.dtype
+        heads, d2t = load_medusa(heads_dir, target_model.arch)
+        self.heads = heads.to(self.device, self.dtype)
+        self.d2t = d2t.to(self.device) if d2t is not None else None
+        self.lm_weight = w.index_select(0, self.d2t).contiguous() if d2t is not None else w
+        self.paths = tree_from_choices(tree or DEFAULT_MEDUSA_TREE, heads.num_heads)
+        self.m = num_speculative_tokens
+        self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
+
+    def observe(self, req, start: int, hidden: torch.Tensor) -> None:
+        if hidden.shape[0]:
+            self.last[req.request_id] = (start + hidden.shape[0] - 1, hidden[-1].detach())
+
+    def free(self, req) -> None:
+        self.last.pop(req.request_id, None)
+
+    @torch.inference_mode()
+    def propose_one(self, req, max_drafts: int):
+        from specserve.spec.draft_tree import DraftTree
+
+        seen = self.last.get(req.request_id)
+        if seen is None or seen[0] != req.num_tokens - 2 or max_drafts < 1:
+            return None
+        width = 1 + max(max(p) for p in self.paths)
+        logits = self.heads.logits(seen[1].to(self.dtype)[None], self.lm_weight)[:, 0]  # [K, V']
+        top = logits.topk(width, -1).indices
+        top = (self.d2t[top] if self.d2t is not None else top).tolist()
+        paths = self.paths[:min(self.m, max_drafts)]
+        index = {p: i for i, p in enumerate(paths)}
+        return DraftTree([top[len(p) - 1][p[-1]] for p in paths],
+                         [index[p[:-1]] if len(p) > 1 else -1 for p in paths])
+
+    def propose(self, requests: list, max_drafts: list[int]) -> list:
+        return [self.propose_one(r, m) for r, m in zip(requests, max_drafts)]

@@ -1,0 +1,247 @@
+"""`specserve train-draft`: train an EAGLE head (or Medusa heads) for a target by self-distillation.
+
+Recipe (EAGLE's, scaled to a CPU):
+  1. data: the target answers templated instruction prompts greedily (never Spec-Bench);
+     its final hidden states are recorded for every token (specserve.spec.train_data);
+  2. vocabulary: the N most frequent tokens of the answers become the draft vocabulary
+     (d2t); the head scores only those rows of the target's LM head;
+  3. training: teacher forcing with uniform noise on the input features. EAGLE: smooth-L1 to
+     the next feature plus 0.1 x cross-entropy to the target's next-token distribution (both
+     on answer positions). Medusa: cross-entropy of head k to the token k + 2 ahead.
+Resumable: data chunks and a checkpoint (every --ckpt-minutes) live in --work-dir; --resume
+continues from them. The head is exported to --out at each checkpoint and at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=["eagle", "medusa"], default="eagle")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target model (alias, dir or .gguf)")
+    p.add_argument("--out", required=True, help="output directory of the trained head")
+    p.add_argument("--work-dir", default=None, help="data and checkpoints (default: OUT/../.OUTNAME-work)")
+    p.add_argument("--resume", action="store_true", help="continue from the work dir's checkpoint")
+    p.add_argument("--num-prompts", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
+    p.add_argument("--chunk", type=int, default=64, help="prompts per generation chunk")
+    p.add_argument("--gen-minutes", type=float, default=25.0, help="time budget for data generation")
+    p.add_argument("--train-minutes", type=float, default=30.0, help="time budget for training")
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: full)")
+    p.add_argument("--batch-seqs", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width")
+    p.add_argument("--medusa-heads", type=int, default=4)
+    p.add_argument("--ckpt-minutes", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=1024)
+
+
+def _target_weights(target: str):
+    from specserve.model.arch import ModelArch
+    from specserve.model.loader import load_safetensors, resolve_model_dir
+
+    model_dir = resolve_model_dir(target)
+    arch = ModelArch.from_dir(model_dir)
+    state = load_safetensors(model_dir)
+    embed = state["model.embed_tokens.weight"].float()
+    lm_head = embed if arch.tie_word_embeddings else state["lm_head.weight"].float()
+    return arch, embed, lm_head
+
+
+def build_draft_vocab(seqs: list[dict], n: int, vocab: int) -> torch.Tensor | None:
+    """The n most frequent answer tokens, ascending ids (None: the full vocabulary)."""
+    if n <= 0 or n >= vocab:
+        return None
+    counts = Counter()
+    for s in seqs:
+        counts.update(s["tokens"][s["prompt_len"]:].tolist())
+    top = [t for t, _ in counts.most_common(n)]
+    rest = [t for t in range(vocab) if t not in counts][:n - len(top)]  # pad small data sets
+    return torch.tensor(sorted(top + rest), dtype=torch.int64)
+
+
+def _batch(seqs: list[dict], embed: torch.Tensor):
+    """Pairs (f_t, x_{t+1}) -> targets f_{t+1}, next tokens x_{t+2}; padded to the longest."""
+    lens = [s["hidden"].shape[0] - 1 for s in seqs]
+    T, B, H = max(lens), len(seqs), embed.shape[1]
+    feats = torch.zeros(B, T, H)
+    target = torch.zeros(B, T, H)
+    tokens_in = torch.zeros(B, T, dtype=torch.int64)
+    tokens_next = torch.full((B, T), -1, dtype=torch.int64)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, (s, n) in enumerate(zip(seqs, lens)):
+        hid, tok = s["hidden"].float(), s["tokens"].long()
+        feats[b, :n], target[b, :n] = hid[:n], hid[1:n + 1]
+        tokens_in[b, :n] = tok[1:n + 1]
+        nxt = tok[2:n + 2]
+        tokens_next[b, :len(nxt)] = nxt
+        mask[b, max(0, s["prompt_len"] - 2):n] = True  # targets that predict answer tokens
+    mask &= tokens_next >= 0
+    return feats, embed[tokens_in], target, tokens_next, mask
+
+
+def _eagle_loss(head, batch, lm_sub, t2d, noise: float):
+    feats, embeds, target, nxt, mask = batch
+    feats = feats + (torch.rand_like(feats) - 0.5) * noise
+    pos = torch.arange(feats.shape[1])
+    pred, _, _ = head(feats, embeds, pos)
+    pred, target = pred[mask], target[mask]
+    vloss = F.smooth_l1_loss(pred, target)
+    logp = F.log_softmax(pred @ lm_sub.T, -1)
+    with torch.no_grad():
+        p_t = F.softmax(target @ lm_sub.T, -1)
+    ploss = -(p_t * logp).sum(-1).mean()
+    acc = (t2d[nxt[mask]] == logp.argmax(-1)).float().mean()
+    return vloss + 0.1 * ploss, {"vloss": vloss.item(), "ploss": ploss.item(), "acc": acc.item()}
+
+
+def _medusa_loss(heads, batch, lm_sub, t2d, noise: float):
+    feats, _, _, nxt, mask = batch  # nxt[t] = x_{t+2}: head 0's label at f_t
+    total, stats = 0.0, {}
+    logits = heads.logits(feats[mask], lm_sub)  # [K, N, V']
+    b_idx, t_idx = mask.nonzero(as_tuple=True)
+    for k in range(heads.num_heads):
+        t_lab = t_idx + k
+        ok = t_lab < nxt.shape[1]
+        lab = torch.full_like(t_idx, -1)
+        lab[ok] = nxt[b_idx[ok], t_lab[ok]]
+        lab = torch.where(lab >= 0, t2d[lab.clamp_min(0)], -1)
+        loss = F.cross_entropy(logits[k], lab, ignore_index=-1)
+        total = total + loss * (0.8 ** k)
+        stats[f"acc{k}"] = ((logits[k].argmax(-1) == lab) & (lab >= 0)).float().sum().item() / max(1, (lab >= 0).sum().item())
+    return total, stats
+
+
+def _export(method: str, model, d2t, out: Path, extra: dict) -> None:
+    from specserve.spec.heads_io import save_eagle, save_medusa
+
+    if method == "eagle":
+        save_eagle(model, d2t, out, extra=extra)
+    else:
+        save_medusa(model, d2t, out)
+
+
+def run(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    work = Path(args.work_dir) if args.work_dir else out.parent / f".{out.name}-work"
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt_path = work / f"ckpt-{args.method}.pt"
+    log_start = time.time()
+
+    def log(msg: str) -> None:
+        tqdm.write(f"[train-draft {time.time() - log_start:7.0f}s] {msg}")
+
+    # 1. data (chunks already on disk are kept: generation resumes by itself)
+    from specserve.spec.train_data import generate_chunks, instruction_prompts
+
+    prompts = instruction_prompts(args.num_prompts, args.seed)
+    have = sorted((work / "data").glob("chunk_*.pt")) if (work / "data").exists() else []
+    if len(have) * args.chunk < len(prompts) and args.gen_minutes > 0:
+        from specserve import LLM
+
+        llm = LLM(args.target, max_model_len=args.max_model_len, enable_prefix_caching=False,
+                  max_num_seqs=args.chunk, max_num_batched_tokens=4096)
+        generate_chunks(llm, prompts, work / "data", args.chunk, args.max_tokens,
+                        time.time() + 60 * args.gen_minutes, log)
+        del llm
+    files = sorted((work / "data").glob("chunk_*.pt"))
+    seqs = [s for f in files for s in torch.load(f) if s["hidden"].shape[0] >= 3]
+    n_ans = sum(len(s["tokens"]) - s["prompt_len"] for s in seqs)
+    log(f"data: {len(seqs)} sequences, {n_ans} answer tokens from {len(files)} chunks")
+
+    # 2. vocabulary
+    arch, embed, lm_head = _target_weights(args.target)
+    d2t = build_draft_vocab(seqs, args.draft_vocab, arch.vocab_size)
+    t2d = torch.arange(arch.vocab_size) if d2t is None else torch.full((arch.vocab_size,), -1).index_put_(
+        (d2t,), torch.arange(d2t.numel()))
+    lm_sub = lm_head if d2t is None else lm_head[d2t].contiguous()
+    if d2t is not None:
+        covered = sum((t2d[s["tokens"][s["prompt_len"]:].long()] >= 0).sum().item() for s in seqs)
+        log(f"vocab: {d2t.numel()} draft tokens cover {covered / max(1, n_ans):.3%} of answer tokens")
+
+    # 3. model, optimiser, checkpoint
+    if args.method == "eagle":
+        from specserve.spec.eagle_head import EagleHead, head_arch_from_target
+
+        model = EagleHead(head_arch_from_target(arch), args.max_model_len + 64)
+        loss_fn = _eagle_loss
+    else:
+        from specserve.spec.medusa import MedusaHeads
+
+        model = MedusaHeads(args.medusa_heads, 1, arch.hidden_size)
+        loss_fn = _medusa_loss
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    steps_per_epoch = math.ceil(len(seqs) / args.batch_seqs)
+    total = steps_per_epoch * args.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(
+        0.05, 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total))))))
+    step = 0
+    if args.resume and ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        sched.load_state_dict(ck["sched"])
+        step = ck["step"]
+        log(f"resumed at step {step}")
+    extra = {"trained_by": "specserve train-draft", "target": args.target}
+
+    def checkpoint() -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "sched": sched.state_dict(), "step": step}, tmp)
+        tmp.replace(ckpt_path)
+        _export(args.method, model, d2t, out, extra)
+
+    # 4. train: epoch e visits the sequences in a permutation seeded by e (resumable by step)
+    deadline = time.time() + 60 * args.train_minutes
+    last_ckpt, avg = time.time(), {}
+    bar = tqdm(total=total, initial=step, desc=f"train {args.method}", mininterval=10)
+    while step < total and time.time() < deadline:
+        epoch, i = divmod(step, steps_per_epoch)
+        perm = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        idx = perm[i * args.batch_seqs:(i + 1) * args.batch_seqs].tolist()
+        model.train()
+        loss, stats = loss_fn(model, _batch([seqs[j] for j in idx], embed), lm_sub, t2d, args.noise)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        step += 1
+        avg = {k: 0.98 * avg.get(k, v) + 0.02 * v for k, v in stats.items()}
+        bar.update(1)
+        if step % 50 == 0:
+            bar.set_postfix({k: f"{v:.3f}" for k, v in avg.items()})
+            log(f"step {step}/{total} epoch {epoch} " + " ".join(f"{k}={v:.3f}" for k, v in avg.items()))
+        if time.time() - last_ckpt > 60 * args.ckpt_minutes:
+            checkpoint()
+            last_ckpt = time.time()
+    bar.close()
+    model.eval()
+    checkpoint()
+    log(f"done at step {step}/{total}; head written to {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="specserve train-draft", description=__doc__.split("\n")[0])
+    add_args(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Self-distillation data for draft heads: the target's own answers and final hidden states.
+
+`instruction_prompts` writes varied instruction prompts from templates (writing, coding, math,
+QA, summarisation, roleplay, extraction, reasoning, ...). None comes from Spec-Bench: the
+benchmark prompts stay out of training. `generate_chunks` runs the engine (greedy, prefix
+caching off) over them in chunks and records, through a forward hook on the runner's model,
+the final hidden state of every computed token; each chunk is saved as one .pt file, so an
+interrupted run resumes at the next missing chunk.
+
+A saved sequence is {"tokens": int32 [n], "hidden": float16 [m, hidden], "prompt_len": int}
+where hidden row t is f_t, the target's feature at position t (it predicts token t+1), and
+m <= n (the last sampled token is never fed back).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+TOPICS = ["the ocean", "a small bakery", "volcanoes", "the moon landing", "honey bees", "a lost key",
+          "city parks", "electric cars", "ancient Rome", "a rainy Monday", "chess", "coffee",
+          "mountain hiking", "a robot gardener", "the water cycle", "friendship", "solar panels",
+          "a haunted library", "recycling", "the first day of school", "dinosaurs", "jazz music",
+          "a desert caravan", "photosynthesis", "a lighthouse keeper", "time management",
+          "the immune system", "a space station", "winter holidays", "public transport",
+          "a village market", "machine learning", "the printing press", "rivers", "penguins",
+          "a job interview", "healthy breakfast", "the internet", "a old bicycle", "kindness"]
+STYLES = ["a short poem", "a haiku", "a short story", "a blog post", "a limerick", "a product description",
+          "a diary entry", "a news headline and summary", "a motivational speech", "a letter to a friend"]
+CODE_TASKS = ["reverses a string", "checks whether a number is prime", "computes the factorial of n",
+              "finds the largest element in a list", "counts the vowels in a sentence",
+              "merges two sorted lists", "removes duplicates from a list", "computes Fibonacci numbers",
+              "converts Celsius to Fahrenheit", "checks whether a word is a palindrome",
+              "sorts a list of dictionaries by a key", "reads a CSV file and sums a column",
+              "implements binary search", "flattens a nested list", "counts word frequencies"]
+LANGS = ["Python", "JavaScript", "C", "Java", "Rust", "Go", "a shell script"]
+PEOPLE = ["a pirate", "a medieval knight", "a friendly tour guide", "a detective", "a chef",
+          "a grumpy wizard", "a sports commentator", "a kind teacher", "an astronaut", "a librarian"]
+QUESTIONS = ["Why is the sky blue?", "How do airplanes stay in the air?", "What causes the seasons?",
+             "How does a refrigerator work?", "Why do cats purr?", "What is inflation?",
+             "How do vaccines work?", "What is the difference between weather and climate?",
+             "Why do leaves change color in autumn?", "How does a compass work?",
+             "What is a black hole?", "How are rainbows formed?", "What does DNA do?",
+             "Why is exercise good for the brain?", "How does the stock market work?",
+             "What is the speed of light?", "Why do we dream?", "How do bees make honey?"]
+NAMES = ["Alice", "Bob", "Chen", "Dmitri", "Elena", "Farah", "Gus", "Hana", "Ivan", "Julia"]
+CITIES = ["Lisbon", "Nairobi", "Osaka", "Toronto", "Lima", "Oslo", "Cairo", "Hanoi", "Dublin"]
+
+
+def _math(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 12)
+    return rng.choice([
+        f"What is {a} times {b}? Show your steps.",
+        f"A shop sells pencils at {c} dollars each. How much do {a} pencils cost?",
+        f"Solve for x: {c}x + {a} = {a + c * b}.",
+        f"If a train travels {a} km in {c} hours, what is its average speed?",
+        f"What is {a}% of {b * 10}? Explain briefly.",
+        f"{rng.choice(NAMES)} has {a} apples and gives away {min(a, b)}. How many are left?",
+        f"Is {a * b + 1} an even or odd number? Explain why.",
+    ])
+
+
+def _extraction(rng: random.Random) -> str:
+    n1, n2 = rng.sample(NAMES, 2)
+    city = rng.choice(CITIES)
+    text = (f"{n1} met {n2} in {city} on March {rng.randint(1, 28)}, {rng.randint(1990, 2023)}. "
+            f"They discussed {rng.choice(TOPICS)} and agreed to meet again in {rng.choice(CITIES)}.")
+    return rng.choice([f"Extract all names, places and dates from this text as a list: {text}",
+                       f"Return a JSON object with the people and cities mentioned: {text}",
+                       f"Summarize this in one sentence: {text}"])
+
+
+def _one(rng: random.Random) -> str:
+    t = rng.choice(TOPICS)
+    kind = rng.randrange(10)
+    if kind == 0:
+        return f"Write {rng.choice(STYLES)} about {t}."
+    if kind == 1:
+        return f"Write a function in {rng.choice(LANGS)} that {rng.choice(CODE_TASKS)}."
+    if kind == 2:
+        return _math(rng)
+    if kind == 3:
+        return rng.choice(QUESTIONS)
+    if kind == 4:
+        return f"Pretend you are {rng.choice(PEOPLE)}. Describe {t} in your own voice."
+    if kind == 5:
+        return _extraction(rng)
+    if kind == 6:
+        return rng.choice([f"Give me three tips about {t}.", f"List five facts about {t}.",
+                           f"What are the pros and cons of {t}?", f"Explain {t} to a child."])
+    if kind == 7:
+        a, b = rng.sample(TOPICS, 2)
+        return rng.choice([f"Compare {a} and {b}.", f"How are {a} and {b} connected?",
+                           f"Write a short dialogue between two friends about {a}."])
+    if kind == 8:
+        return rng.choice([f"Explain step by step how to plan a trip to {rng.choice(CITIES)}.",
+                           f"If all birds can fly and a penguin is a bird, can a penguin fly? "
+                           f"Explain the flaw in the reasoning.",
+                           f"What would happen if {t} disappeared tomorrow? Reason it through.",
+                           f"Write an email to {rng.choice(NAMES)} about {t}."])
+    return rng.choice([f"Translate into French: 'I love {t}.'", f"Write a title and outline for an essay on {t}.",
+                       f"Fix the grammar: 'me and {rng.choice(NAMES)} goes to {rng.choice(CITIES)} yesterday.'",
+                       f"Describe a day in the life of someone who works with {t}."])
+
+
+def instruction_prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    seen, out = set(), []
+    while len(out) < n:
+        p = _one(rng)
+        if p not in seen or len(seen) > 50 * n:
+            seen.add(p)
+            out.append(p)
+    return out
+
+
+def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_tokens: int,
+                    deadline: float, log=print) -> list[Path]:
+    """Greedy answers + final hidden states, one file per chunk of prompts (skips done chunks)."""
+    from specserve.request import SamplingParams
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runner = llm.engine.runner
+    captured: dict[str, dict[int, torch.Tensor]] = {}
+    last: list[torch.Tensor] = []
+    hook = runner.model.register_forward_hook(lambda m, args, out: last.append(out))
+    original = runner.execute
+
+    def execute(sched, tree_parents=None):
+        starts = [r.num_computed_tokens for r in sched.requests]
+        last.clear()
+        result = original(sched, tree_parents)
+        hidden, off = last[-1], 0
+        for req, n, s in zip(sched.requests, sched.num_tokens, starts):
+            rows = captured.setdefault(req.request_id, {})
+            for j in range(n):
+                rows[s + j] = hidden[off + j].to(torch.float16)
+            off += n
+        return result
+
+    runner.execute = execute
+    files = []
+    try:
+        for i in range(0, len(prompts), chunk):
+            path = out_dir / f"chunk_{i // chunk:05d}.pt"
+            if path.exists():
+                files.append(path)
+                continue
+            if time.time() > deadline:
+                log(f"data: time budget reached after {len(files)} chunks")
+                break
+            t0 = time.time()
+            convs = [[{"role": "user", "content": p}] for p in prompts[i:i + chunk]]
+            outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            seqs = []
+            for o in outs:
+                tokens = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+                rows = captured.pop(o.request_id)
+                m = max(rows) + 1
+                assert all(t in rows for t in range(m)), "a computed position is missing"
+                seqs.append({"tokens": torch.tensor(tokens, dtype=torch.int32),
+                             "hidden": torch.stack([rows[t] for t in range(m)]),
+                             "prompt_len": len(o.prompt_token_ids)})
+            captured.clear()
+            torch.save(seqs, path)
+            files.append(path)
+            ntok = sum(len(s["tokens"]) - s["prompt_len"] for s in seqs)
+            log(f"data: chunk {i // chunk} ({len(seqs)} answers, {ntok} tokens) "
+                f"in {time.time() - t0:.0f} s")
+    finally:
+        runner.execute = original
+        hook.remove()
+    return files

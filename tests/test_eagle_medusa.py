@@ -1,0 +1,165 @@
+"""EAGLE and Medusa proposers: public checkpoint layouts load and draft; the hand-written tree
+loop (specserve.spec.tree.tree_spec_step) reproduces plain greedy decoding token for token, on
+a tiny random model and on the default model with the shipped head; KV blocks are freed."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.config import CacheConfig, ModelConfig
+from specserve.kv_cache.manager import KVCacheManager
+from specserve.model.arch import ModelArch
+from specserve.model.runner import ModelRunner
+from specserve.request import Request, SamplingParams
+from specserve.spec.eagle import DEFAULT_EAGLE_DIR, EagleProposer
+from specserve.spec.eagle_head import EagleHead
+from specserve.spec.heads_io import load_eagle, save_eagle
+from specserve.spec.medusa import MedusaProposer
+from specserve.spec.tree import prefill_step, tree_spec_step
+
+TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "tie_word_embeddings": True}
+EAGLE1_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
+               *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+               *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+
+
+class NoDrafts:
+    def observe(self, req, start, hidden):
+        pass
+
+    def propose(self, reqs, max_drafts):
+        return [None] * len(reqs)
+
+
+def tiny_runner(tmp_path: Path):
+    arch = ModelArch.from_dict(TINY)
+    runner = ModelRunner(None, arch, ModelConfig(load_format="dummy", seed=3),
+                         CacheConfig(block_size=4, num_blocks=128), 256)
+    return arch, runner, KVCacheManager(128, 4, enable_prefix_caching=False)
+
+
+def write_eagle1(path: Path, arch: ModelArch, seed: int = 0) -> None:
+    """An EAGLE-1 checkpoint in the public layout (pytorch_model.bin, no input_layernorm)."""
+    head = EagleHead(arch)
+    g = torch.Generator().manual_seed(seed)
+    state = {k: torch.randn(v.shape, generator=g) * 0.3 for k, v in head.state_dict().items()}
+    state["embed_tokens.weight"] = torch.randn(arch.vocab_size, arch.hidden_size, generator=g)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1,
+                                                  "architectures": ["LlamaForCausalLM"]}))
+
+
+def write_medusa(path: Path, arch: ModelArch, heads: int = 3) -> None:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    h, v = arch.hidden_size, arch.vocab_size
+    state = {}
+    for k in range(heads):
+        state[f"{k}.0.linear.weight"] = torch.randn(h, h, generator=g) * 0.1
+        state[f"{k}.0.linear.bias"] = torch.zeros(h)
+        state[f"{k}.1.weight"] = torch.randn(v, h, generator=g)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "medusa_lm_head.safetensors"))
+    (path / "config.json").write_text(json.dumps({"medusa_num_heads": heads, "medusa_num_layers": 1,
+                                                  "base_model_name_or_path": "tiny"}))
+
+
+def make_requests(prompts: list[list[int]]) -> list[Request]:
+    return [Request(str(i), p, SamplingParams(temperature=0.0), set(), 0) for i, p in enumerate(prompts)]
+
+
+def decode(runner, kv, proposer, prompts, num_tokens: int, max_drafts: int = 64):
+    reqs = make_requests(prompts)
+    prefill_step(runner, kv, reqs, proposer)
+    steps = 0
+    while min(r.num_output_tokens for r in reqs) < num_tokens:
+        tree_spec_step(runner, kv, reqs, proposer, max_drafts)
+        steps += 1
+    out = [r.output_token_ids[:num_tokens] for r in reqs]
+    emitted = sum(r.num_output_tokens - 1 for r in reqs)
+    for r in reqs:
+        kv.free(r)
+        getattr(proposer, "free", lambda r: None)(r)
+    return out, emitted / max(1, steps * len(reqs))
+
+
+def test_eagle1_layout_has_no_input_norm_and_loads(tmp_path):
+    arch = ModelArch.from_dict({**TINY, "num_hidden_layers": 1})
+    assert set(EagleHead(arch).state_dict()) == EAGLE1_KEYS
+    write_eagle1(tmp_path / "eagle", arch)
+    head, d2t, embed = load_eagle(tmp_path / "eagle", arch)
+    assert d2t is None and embed.shape == (96, 64) and head.layers[0].input_layernorm is None
+
+
+def test_eagle_round_trip_with_restricted_vocab(tmp_path):
+    arch = ModelArch.from_dict({**TINY, "num_hidden_layers": 1})
+    head = EagleHead(arch)
+    d2t = torch.arange(0, 96, 3)
+    save_eagle(head, d2t, tmp_path / "ours")
+    loaded, d2t2, _ = load_eagle(tmp_path / "ours", arch)
+    assert torch.equal(d2t2, d2t)
+    x = torch.randn(1, 5, 64)
+    out1 = head(x, x, torch.arange(5))[0]
+    out2 = loaded(x, x, torch.arange(5))[0]
+    assert torch.allclose(out1, out2, atol=2e-2)
+
+
+def test_eagle_tree_shape_and_greedy_equivalence(tmp_path):
+    arch, runner, kv = tiny_runner(tmp_path)
+    write_eagle1(tmp_path / "eagle", arch)
+    prop = EagleProposer(runner.model, tmp_path / "eagle", num_speculative_tokens=10, depth=4, topk=3)
+    prompts = [[5, 9, 17, 33, 2], [7, 7, 1, 80, 44, 3, 12]]
+    reqs = make_requests(prompts)
+    prefill_step(runner, kv, reqs, prop)
+    tree = prop.propose(reqs, [10, 4])
+    assert [len(t) for t in tree] == [10, 4]
+    for t in tree:
+        assert all(-1 <= p < i for i, p in enumerate(t.parents)) and max(t.depth) <= 4
+    for r in reqs:
+        kv.free(r)
+    ref, _ = decode(runner, kv, NoDrafts(), prompts, 20)
+    got, _ = decode(runner, kv, prop, prompts, 20)
+    assert got == ref
+    assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_medusa_layout_loads_and_matches_greedy(tmp_path):
+    arch, runner, kv = tiny_runner(tmp_path)
+    write_medusa(tmp_path / "medusa", arch)
+    prop = MedusaProposer(runner.model, tmp_path / "medusa")
+    prompts = [[5, 9, 17, 33, 2], [1, 2, 3]]
+    ref, _ = decode(runner, kv, NoDrafts(), prompts, 16)
+    got, _ = decode(runner, kv, prop, prompts, 16)
+    assert got == ref
+    assert kv.num_free_blocks == kv.num_total_blocks
+
+
+@pytest.mark.skipif(not (DEFAULT_EAGLE_DIR / "model.safetensors").is_file(), reason="no shipped head")
+def test_shipped_head_on_default_model_equals_plain_greedy():
+    from transformers import AutoTokenizer
+
+    from specserve.model.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir("smollm2-135m-instruct")
+    arch = ModelArch.from_dir(model_dir)
+    runner = ModelRunner(model_dir, arch, ModelConfig(), CacheConfig(num_blocks=64), 1024)
+    kv = KVCacheManager(64, 16, enable_prefix_caching=False)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Explain how a bicycle works."}],
+                                     add_generation_prompt=True, return_dict=True)["input_ids"]
+    prop = EagleProposer(runner.model, num_speculative_tokens=12, depth=5, topk=3)
+    ref, _ = decode(runner, kv, NoDrafts(), [list(prompt)], 32)
+    start = time.time()
+    got, accept = decode(runner, kv, prop, [list(prompt)], 32)
+    print(f"\nshipped EAGLE head: mean tokens per step {accept:.2f} ({time.time() - start:.1f} s)")
+    assert got == ref
+    assert accept > 1.2
+    assert kv.num_free_blocks == kv.num_total_blocks
