@@ -26,20 +26,21 @@ def test_prefix_cache_computes_only_new_tokens(llm):
 
 def test_preemption_keeps_outputs(llm, make_llm):
     prompts = [f"Story {i}: once upon a time there was a {w}" for i, w in
-               enumerate(["dragon", "robot", "king", "cat", "ship", "tree"])]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+               enumerate(["dragon", "robot", "king", "cat", "ship"])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    small = make_llm(num_blocks=12, block_size=16, max_model_len=256)  # ~192 tokens in all
+    small = make_llm(num_blocks=8, block_size=16, max_model_len=128)  # 128 tokens for ~190 needed
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
     assert small.engine.stats.num_preemptions > 0
     assert got == expected
 
 
 def test_chunked_prefill_mixed_with_decodes(llm, make_llm):
-    prompts = [LONG_PROMPT, "Hi", "Count: one, two, three,", LONG_PROMPT[:200]]
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    tight = make_llm(max_num_batched_tokens=32, max_num_seqs=3, enable_prefix_caching=False)
-    got = [o.outputs[0].token_ids for o in tight.generate(prompts, GREEDY)]
+    prompts = [LONG_PROMPT[:300], "Hi", "Count: one, two, three,", LONG_PROMPT[:160]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    tight = make_llm(max_num_batched_tokens=24, max_num_seqs=3, enable_prefix_caching=False)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
     assert got == expected
 
 

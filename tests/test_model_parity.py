@@ -17,7 +17,6 @@ PROMPTS = [
     "import numpy as np\nx = np.arange(10)\n",
     "Question: What is 12 times 7?\nAnswer:",
     "Once upon a time, in a small village by the mountains,",
-    "<|im_start|>user\nGive me two tips for sleeping well.<|im_end|>\n<|im_start|>assistant\n",
 ]
 
 

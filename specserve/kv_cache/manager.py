@@ -57,11 +57,13 @@ class KVCacheManager:
         total = req.num_computed_tokens + num_new_tokens
         return max(0, cdiv(total, self.block_size) - len(req.block_ids) - num_hit_blocks)
 
-    def can_allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> bool:
+    def can_allocate(self, req: Request, num_new_tokens: int, hits: list[int] = (),
+                     headroom: int = 0) -> bool:
+        """True if the slots fit and `headroom` blocks stay free afterwards."""
         # touching an evictable hit removes it from the free count
         hit_from_free = sum(1 for b in hits if self.pool.ref_count[b] == 0)
         needed = self.blocks_needed(req, num_new_tokens, len(hits))  # num_new counts the hits
-        return needed + hit_from_free <= self.pool.num_free
+        return needed + hit_from_free + headroom <= self.pool.num_free
 
     def allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> None:
         """Reserve slots for num_new_tokens past the computed ones (after prefix hits)."""

@@ -95,7 +95,10 @@ class Scheduler:
             hits = self.kv.find_cached_prefix(req)
             hit_tokens = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - hit_tokens, budget)
-            if not self.kv.can_allocate(req, hit_tokens + num_new, hits):
+            # keep one free block per running request for its next decode block, so a fresh
+            # admission does not immediately force a preemption (thrashing on a small pool)
+            headroom = len(self.running)
+            if not self.kv.can_allocate(req, hit_tokens + num_new, hits, headroom):
                 break
             self.waiting.popleft()
             self.kv.allocate(req, hit_tokens + num_new, hits)
