@@ -4,8 +4,8 @@ Model. A request's drafts are accepted one after another with probability `alpha
 (estimated per request from its own verify results, with exponential forgetting). With k
 drafts a verify step emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens and
 costs C(k) = 1 + k * r plain decode steps, where r is the cost of one draft token relative
-to a plain step: the verifier's marginal cost per extra token (`verify_cost`, a constant:
-on one request the forward is dominated by fixed costs) plus, for a draft model, the
+to a plain step: the verifier's marginal cost per extra token (`verify_cost`: a prior,
+then learned from the times of target decode steps with and without drafts) plus, for a draft model, the
 measured time of one draft step over the measured time of a target step. The request gets
 the k in 0..K maximising E(k) / C(k).
 
@@ -43,6 +43,7 @@ class AdaptiveLength:
         self.decay = decay
         self.probe_interval = probe_interval
         self.draft_cost = 0.0  # one draft step / one target step (measured; 0 for n-gram)
+        self._plain_s: float | None = None  # time of a target decode step without drafts
         self._acc: weakref.WeakKeyDictionary[Request, _Acceptance] = weakref.WeakKeyDictionary()
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
@@ -55,6 +56,18 @@ class AdaptiveLength:
         if target_step_s > 0:
             ratio = draft_step_s / target_step_s
             self.draft_cost = ratio if self.draft_cost == 0 else 0.8 * self.draft_cost + 0.2 * ratio
+
+    def observe_target_step(self, seconds: float, num_requests: int, num_drafts: int,
+                            num_tokens: int) -> None:
+        """Learn verify_cost from target step times: decode steps without drafts give the
+        plain step time, steps with drafts the extra time per draft token relative to it."""
+        if num_tokens != num_requests + num_drafts:
+            return  # a prefill chunk is in the step: not comparable
+        if num_drafts == 0:
+            self._plain_s = seconds if self._plain_s is None else 0.8 * self._plain_s + 0.2 * seconds
+        elif self._plain_s:
+            marginal = max(0.0, seconds / self._plain_s - 1.0) / num_drafts
+            self.verify_cost = min(2.0, 0.8 * self.verify_cost + 0.2 * marginal)
 
     def num_drafts(self, req: Request) -> int:
         if not self.enabled:

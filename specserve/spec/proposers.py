@@ -87,10 +87,12 @@ class ChainSpecDecoder(SpecDecoder):
         self._last_stats = None
 
     def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:
-        if self._propose_end and self.proposer.name == "draft_model":
+        if self._propose_end:
             target_s = time.perf_counter() - self._propose_end  # schedule + target forward
+            self.adaptive.observe_target_step(target_s, len(sched), sum(sched.num_drafts),
+                                              sched.total_tokens)
             drafted = max((len(r.spec_token_ids) for r in sched.requests), default=0)
-            if drafted:
+            if drafted and self.proposer.name == "draft_model":
                 self.adaptive.observe_costs(target_s, self.proposer.last_forward_time / drafted)
         return super().sample_and_verify(sched, step)
 

@@ -1,0 +1,40 @@
+"""Adaptive speculation length: follows acceptance and cost, turns off, probes again."""
+
+from __future__ import annotations
+
+from specserve import SamplingParams
+from specserve.request import Request
+from specserve.spec.adaptive import AdaptiveLength, best_length
+
+
+def test_best_length_follows_acceptance_and_cost():
+    assert best_length(1.0, 5, 0.05) == 5
+    assert best_length(0.9, 5, 0.05) == 5
+    assert 0 < best_length(0.5, 5, 0.05) < 5
+    assert best_length(0.05, 5, 0.2) == 0
+    assert best_length(0.99, 5, 1.2) == 0  # a draft as slow as the target never pays
+
+
+def test_request_stops_then_probes():
+    ctl = AdaptiveLength(5, probe_interval=4)
+    req = Request("r", [1, 2, 3], SamplingParams(), set(), 0)
+    assert ctl.num_drafts(req) > 0
+    for _ in range(10):
+        ctl.observe(req, ctl.num_drafts(req) or 1, 0)  # everything rejected
+    ctl.observe_costs(1.0, 0.3)  # a slow-ish draft model
+    ks = [ctl.num_drafts(req) for _ in range(8)]
+    assert ks.count(0) == 6 and ks.count(1) == 2  # off, with a probe every 4 steps
+    for _ in range(6):
+        ctl.observe(req, 5, 5)  # the text became predictable
+    assert ctl.num_drafts(req) >= 3
+
+
+def test_verify_cost_is_learned():
+    ctl = AdaptiveLength(5, verify_cost=0.05)
+    for _ in range(20):
+        ctl.observe_target_step(0.10, 1, 0, 1)  # plain decode step: 100 ms
+        ctl.observe_target_step(0.15, 1, 5, 6)  # 5 drafts: +50 ms
+    assert abs(ctl.verify_cost - 0.1) < 0.01
+    ctl.observe_target_step(5.0, 1, 0, 500)  # a prefill: ignored
+    assert abs(ctl.verify_cost - 0.1) < 0.01
+    assert ctl.enabled and AdaptiveLength(5, enabled=False).num_drafts(None) == 5
