@@ -40,6 +40,7 @@ from specserve.sampler import SamplingBatch, apply_penalties, exponential_noise,
 from specserve.spec.draft_tree import DraftTree
 
 _DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's noise stream must differ from the verifier's
+_MAX_BATCHED_CATCH_UP = 16  # longer catch-ups would blow up the batch's dense attention mask
 
 
 @dataclass
@@ -69,6 +70,7 @@ class DraftModelProposer:
             self.model_dir, self.arch, replace(engine.config.model, model=model),
             CacheConfig(target.block_size, target.num_blocks), engine.max_model_len)
         self.engine = engine
+        self.chunk_size = engine.config.scheduler.max_num_batched_tokens
         self.vocab_size = self.arch.vocab_size
         self._state: weakref.WeakKeyDictionary[Request, _DraftState] = weakref.WeakKeyDictionary()
         self.last_forward_time = 0.0  # seconds of draft forwards in the last propose
@@ -113,6 +115,12 @@ class DraftModelProposer:
         # step 0: catch up on committed tokens the draft has not seen
         starts = [self._valid_prefix(r, preemptions) for r in reqs]
         feed = [r.all_token_ids[s:] for r, s in zip(reqs, starts)]
+        for i, req in enumerate(reqs):  # long catch-ups (prompts) run alone, in chunks
+            while len(feed[i]) > _MAX_BATCHED_CATCH_UP:
+                chunk = feed[i][:min(len(feed[i]) - 1, self.chunk_size)]
+                self._forward([req], [starts[i]], [chunk])
+                starts[i] += len(chunk)
+                feed[i] = feed[i][len(chunk):]
         active = list(range(len(reqs)))
         for step in range(max(ks)):
             logits = self._forward([reqs[i] for i in active], [starts[i] for i in active],
