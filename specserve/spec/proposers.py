@@ -6,6 +6,7 @@ another vocabulary: ValueError at start) and returns a ChainSpecDecoder around o
 
     ngram        specserve.spec.ngram.NgramProposer (prompt lookup)
     draft_model  specserve.spec.draft_model.DraftModelProposer (a second model runner)
+    eagle/medusa specserve.spec.tree_decoder.TreeSpecDecoder (tree methods, their own decoder)
 
 ChainSpecDecoder inherits sampling and verification from SpecDecoder; it adds `propose`
 (pick each request's draft length with AdaptiveLength, ask the proposer, put the chain on
@@ -29,15 +30,17 @@ from specserve.spec.step import SpecDecoder, StepResult
 
 logger = logging.getLogger("specserve.spec")
 
-METHODS = ("ngram", "draft_model")
-# keys of our own, beside vLLM's: "adaptive" (bool, default true), "verify_cost" (float)
-OWN_KEYS = {"adaptive", "verify_cost"}
+CHAIN_METHODS = ("ngram", "draft_model")
+TREE_METHODS = ("eagle", "medusa")  # specserve.spec.tree_decoder
+METHODS = CHAIN_METHODS + TREE_METHODS
+# keys of our own, beside vLLM's: "adaptive" (bool, default true), "verify_cost" (float),
+# "medusa_tree" (tree methods)
+OWN_KEYS = {"adaptive", "verify_cost", "medusa_tree"}
 
 
 def validate_spec_config(config: SpecConfig) -> None:
     if config.method not in METHODS:
-        later = " (tree methods come later)" if config.method in ("eagle", "medusa") else ""
-        raise ValueError(f"speculative_config.method: unknown method {config.method!r}{later}; "
+        raise ValueError(f"speculative_config.method: unknown method {config.method!r}; "
                          f"expected one of {', '.join(METHODS)}")
     k = config.num_speculative_tokens
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -57,8 +60,12 @@ def validate_spec_config(config: SpecConfig) -> None:
         logger.warning("speculative_config: ignoring keys %s", ", ".join(unknown))
 
 
-def make_spec_decoder(config: SpecConfig, engine) -> "ChainSpecDecoder":
+def make_spec_decoder(config: SpecConfig, engine) -> SpecDecoder:
     validate_spec_config(config)
+    if config.method in TREE_METHODS:
+        from specserve.spec.tree_decoder import TreeSpecDecoder
+
+        return TreeSpecDecoder(config, engine)
     k = config.num_speculative_tokens
     if config.method == "ngram":
         from specserve.spec.ngram import NgramProposer
