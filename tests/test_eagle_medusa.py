@@ -87,7 +87,7 @@ def decode(runner, kv, proposer, prompts, num_tokens: int, max_drafts: int = 64)
     emitted = sum(r.num_output_tokens - 1 for r in reqs)
     for r in reqs:
         kv.free(r)
-        getattr(proposer, "free", lambda r: None)(r)
+        getattr(proposer, "free", lambda rid: None)(r.request_id)
     return out, emitted / max(1, steps * len(reqs))
 
 

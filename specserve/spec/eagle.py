@@ -34,7 +34,8 @@ DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smo
 
 @dataclass
 class _HeadCache:
-    feats: list[torch.Tensor] = field(default_factory=list)  # target features f_t, each [hidden]
+    base: int = 0  # position of feats[0]: > 0 after a prefix-cache hit (no features before it)
+    feats: list[torch.Tensor] = field(default_factory=list)  # target features f_base.., each [hidden]
     keys: torch.Tensor | None = None  # [1, P, Hkv, D] head keys of committed pairs
     values: torch.Tensor | None = None
     last_out: torch.Tensor | None = None  # [hidden] head output of pair P - 1 (f_hat_P)
@@ -66,15 +67,17 @@ class EagleProposer:
     def observe(self, req, start: int, hidden: torch.Tensor) -> None:
         """The target's features of positions start .. start + n - 1 (hidden: [n, hidden]).
         Anything cached at or past `start` is dropped first (rollback, recompute)."""
-        c = self.cache.setdefault(req.request_id, _HeadCache())
-        del c.feats[start:]
-        if len(c.feats) < start:  # a gap (e.g. a prefix-cache hit): cannot draft this request
-            return
+        c = self.cache.get(req.request_id)
+        if c is None or not c.base <= start <= c.base + len(c.feats):
+            # new, or a gap (prefix-cache hit: the target never computed those features): the
+            # head's context starts here
+            c = self.cache[req.request_id] = _HeadCache(base=start)
+        del c.feats[start - c.base:]
+        self._truncate_pairs(c, start - c.base)
         c.feats.extend(hidden.detach().to(self.dtype).unbind(0))
-        self._truncate_pairs(c, start)
 
-    def free(self, req) -> None:
-        self.cache.pop(req.request_id, None)
+    def free(self, request_id: str) -> None:
+        self.cache.pop(request_id, None)
 
     @staticmethod
     def _truncate_pairs(c: _HeadCache, num_pairs: int) -> None:
@@ -92,9 +95,10 @@ class EagleProposer:
 
     @torch.inference_mode()
     def _extend(self, c: _HeadCache, tokens: list[int]) -> torch.Tensor | None:
-        """Run the head over committed pairs P .. n-1 (n = last token index); -> f_hat_n [hidden]."""
-        n = len(tokens) - 1
-        if len(c.feats) < n:
+        """Run the head over the committed pairs up to position n-1 (n = last token index), pair
+        i being (f_{base+i}, x_{base+i+1}) at position base + i; -> f_hat_n [hidden]."""
+        b, n = c.base, len(tokens) - 1 - c.base  # n: number of pairs up to the last token
+        if n < 1 or len(c.feats) < n:
             return None
         p = 0 if c.keys is None else c.keys.shape[1]
         if p == n and c.last_out is not None:
@@ -103,8 +107,8 @@ class EagleProposer:
             self._truncate_pairs(c, n - 1)
             p = n - 1
         feats = torch.stack(c.feats[p:n])[None]
-        ids = torch.tensor(tokens[p + 1:n + 1], device=self.device)
-        pos = torch.arange(p, n, device=self.device)
+        ids = torch.tensor(tokens[b + p + 1:b + n + 1], device=self.device)
+        pos = torch.arange(b + p, b + n, device=self.device)
         mask = None
         if p > 0:
             mask = torch.ones(1, n - p, n, dtype=torch.bool, device=self.device)

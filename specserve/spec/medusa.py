@@ -94,8 +94,8 @@ class MedusaProposer:
         if hidden.shape[0]:
             self.last[req.request_id] = (start + hidden.shape[0] - 1, hidden[-1].detach())
 
-    def free(self, req) -> None:
-        self.last.pop(req.request_id, None)
+    def free(self, request_id: str) -> None:
+        self.last.pop(request_id, None)
 
     @torch.inference_mode()
     def propose_one(self, req, max_drafts: int):

@@ -1,0 +1,159 @@
+"""TreeSpecDecoder: the engine's SpecDecoder for tree methods (eagle, medusa).
+
+The engine loop stays as it is (schedule -> execute -> sample_and_verify -> update -> propose);
+this class supplies the three speculative hooks for draft trees:
+  * `tree_parents(sched)`: each request's tree (its last committed token as root, then the
+    nodes the scheduler kept: a tree cut to its first k nodes is still a tree);
+  * `sample_and_verify(sched, step)`: every row of every request is processed with the
+    request's own sampling parameters (penalties see the node's ancestors), each tree is
+    verified with specserve.spec.tree.verify_tree, the accepted path's KV is compacted into
+    place (the engine's truncate then rolls back the rest), and the proposer is shown the
+    target features of every newly computed committed token (prefill chunks included, taken
+    from a forward hook on the runner's model: StepLogits.hidden has the sampled rows only);
+  * `propose(running)`: one DraftTree per request that may speculate.
+Noise is a pure function of (request seed, position, column), as in the plain sampler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import SpecConfig
+from specserve.model.runner import StepLogits
+from specserve.request import Request
+from specserve.sampler import SamplingBatch, apply_penalties, gather_logprobs, processed_probs, uniform_noise
+from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.spec.draft_tree import DraftTree
+from specserve.spec.step import SpecDecoder, StepResult
+from specserve.spec.tree import children_lists, compaction_slots, verify_tree
+
+
+def make_tree_proposer(config: SpecConfig, engine):
+    model = engine.runner.model
+    m = config.num_speculative_tokens
+    if config.method == "eagle":
+        from specserve.spec.eagle import EagleProposer
+
+        if config.model is None and engine.arch.hidden_size != 576:
+            raise ValueError("speculative_config.model: the shipped EAGLE head is for the default "
+                             "model; name a head trained for this target")
+        return EagleProposer(model, config.model, m, depth=config.depth or min(5, m),
+                             topk=config.topk or 4, max_positions=engine.max_model_len + 64)
+    if config.method == "medusa":
+        from specserve.spec.medusa import MedusaProposer
+
+        if config.model is None:
+            raise ValueError("speculative_config.model: method 'medusa' needs a heads directory")
+        return MedusaProposer(model, config.model, m, config.extra.get("medusa_tree"))
+    raise ValueError(f"speculative_config.method: {config.method!r} is not a tree method")
+
+
+class TreeSpecDecoder(SpecDecoder):
+    def __init__(self, config: SpecConfig, engine, proposer=None) -> None:
+        super().__init__(config, engine)
+        self.proposer = proposer or make_tree_proposer(config, engine)
+        self.max_drafts = config.num_speculative_tokens
+        self.trees: dict[str, DraftTree] = {}
+        self._seen: set[str] = set()  # requests the proposer holds state for
+        self._hidden: torch.Tensor | None = None  # [T, hidden]: the last target forward, all tokens
+        engine.runner.model.register_forward_hook(self._keep_hidden)
+
+    def _keep_hidden(self, module, args, out) -> None:
+        self._hidden = out
+
+    def _tree(self, req: Request, k: int) -> DraftTree:
+        t = self.trees[req.request_id]
+        return DraftTree(t.tokens[:k], t.parents[:k])
+
+    def tree_parents(self, sched: SchedulerOutput) -> list[list[int] | None] | None:
+        out = [[-1] + [p + 1 for p in self._tree(r, k).parents] if k else None
+               for r, k in zip(sched.requests, sched.num_drafts)]
+        return out if any(p is not None for p in out) else None
+
+    # -- verification -----------------------------------------------------------------------
+    def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:
+        results: list[StepResult] = []
+        off = 0
+        for req, n, k, row in zip(sched.requests, sched.num_tokens, sched.num_drafts, step.row_start):
+            start = req.num_computed_tokens
+            if row < 0:  # mid-prefill chunk: every token is committed
+                self.proposer.observe(req, start, self._hidden[off:off + n])
+                self._seen.add(req.request_id)
+                results.append(None)
+            else:
+                results.append(self._verify_one(req, start, k, step.logits[row:row + k + 1],
+                                                self._hidden[off:off + n], n - k - 1))
+            off += n
+        return results
+
+    def _verify_one(self, req: Request, start: int, k: int, logits: torch.Tensor,
+                    hidden: torch.Tensor, num_before: int) -> StepResult:
+        """logits: [k + 1, V] rows of the root and the k nodes; hidden: [num_before + k + 1,
+        hidden], every token of this step; num_before: tokens before the root (the rest of a
+        prompt chunk), all committed."""
+        tree = self._tree(req, k) if k else DraftTree([], [])
+        ancestors: list[list[int]] = [[]]
+        for p, tok in zip(tree.parents, tree.tokens):
+            ancestors.append(ancestors[p + 1] + [tok])
+        batch = SamplingBatch.build([(req, a) for a in ancestors], self.vocab_size, logits.device)
+        greedy = req.params.greedy
+        target = apply_penalties(logits, batch) if greedy else processed_probs(logits, batch)
+        uniforms = noise = None
+        if not greedy:
+            kids = children_lists(tree.parents)
+            width = max(len(c) for c in kids)
+            u = uniform_noise(batch.seeds, batch.positions, self.vocab_size + width)
+            noise = -torch.log(u[:, :self.vocab_size]).float()
+            uniforms = torch.zeros(max(k, 1))
+            for r, cs in enumerate(kids):
+                for j, c in enumerate(cs):
+                    uniforms[c] = float(u[r, self.vocab_size + j])
+        verdict = verify_tree(target, tree, greedy, uniforms, noise)
+        if verdict.path != list(range(len(verdict.path))):  # accepted nodes are not a prefix
+            src, dst = compaction_slots(req.block_ids, self.engine.kv.block_size,
+                                        start + num_before, verdict.path)
+            src, dst = src.to(logits.device), dst.to(logits.device)
+            from specserve.kernels import compact_kv
+
+            for k_cache, v_cache in self.engine.runner.kv_caches:
+                compact_kv(k_cache, v_cache, src, dst)
+        rows = [0] + [c + 1 for c in verdict.path]
+        # features of the committed tokens computed this step: prompt rest, root, accepted path
+        self.proposer.observe(req, start, hidden[list(range(num_before)) + [num_before + r for r in rows]])
+        self._seen.add(req.request_id)
+        self._count(req, k, len(verdict.path))
+        tokens = verdict.tokens
+        if req.params.logprobs is None:
+            return tokens, None
+        ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+        return tokens, gather_logprobs(logits[rows], ids, [req.params.logprobs] * len(tokens))
+
+    def _count(self, req: Request, k: int, accepted: int) -> None:
+        stats = self.engine._stats
+        while len(stats.spec_accepted_per_pos) < accepted:
+            stats.spec_accepted_per_pos.append(0)
+        super()._count(req, k, accepted)
+
+    # -- drafting ---------------------------------------------------------------------------
+    def propose(self, running: list[Request]) -> None:
+        live = self.engine.requests
+        for rid in [r for r in self._seen if r not in live]:  # finished or aborted
+            self._seen.discard(rid)
+            self.trees.pop(rid, None)
+            self.proposer.free(rid)
+        reqs, ks = [], []
+        max_len = self.engine.max_model_len
+        for req in running:
+            if req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            room = min(req.max_tokens - req.num_output_tokens, max_len - req.num_tokens) - 1
+            k = min(self.max_drafts, room)
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+        for req, tree in zip(reqs, self.proposer.propose(reqs, ks) if reqs else []):
+            if tree is None or not len(tree):
+                continue
+            self.trees[req.request_id] = tree
+            req.spec_token_ids = list(tree.tokens)
+            req.spec_draft_probs = None
