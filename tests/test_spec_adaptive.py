@@ -9,6 +9,8 @@ from specserve.spec.adaptive import AdaptiveLength, best_length
 
 def test_best_length_follows_acceptance_and_cost():
     assert best_length(1.0, 5, 0.05) == 5
+    assert best_length(0.3, 5, 0.02, overhead=0.7) == 0  # a costly verify needs acceptance
+    assert best_length(0.8, 5, 0.02, overhead=0.7) == 5
     assert best_length(0.9, 5, 0.05) == 5
     assert 0 < best_length(0.5, 5, 0.05) < 5
     assert best_length(0.05, 5, 0.2) == 0
@@ -30,11 +32,12 @@ def test_request_stops_then_probes():
 
 
 def test_verify_cost_is_learned():
-    ctl = AdaptiveLength(5, verify_cost=0.05)
-    for _ in range(20):
+    ctl = AdaptiveLength(5, verify_cost=0.1)
+    for _ in range(30):
         ctl.observe_target_step(0.10, 1, 0, 1)  # plain decode step: 100 ms
-        ctl.observe_target_step(0.15, 1, 5, 6)  # 5 drafts: +50 ms
-    assert abs(ctl.verify_cost - 0.1) < 0.01
+        ctl.observe_target_step(0.18, 1, 5, 6)  # 5 drafts: +80 ms = 0.7 overhead + 5 * 0.02
+    assert abs(ctl.verify_cost - 0.7) < 0.02
     ctl.observe_target_step(5.0, 1, 0, 500)  # a prefill: ignored
-    assert abs(ctl.verify_cost - 0.1) < 0.01
+    ctl.observe_target_step(0.5, 4, 8, 12)  # another batch size: no plain time known yet
+    assert abs(ctl.verify_cost - 0.7) < 0.02
     assert ctl.enabled and AdaptiveLength(5, enabled=False).num_drafts(None) == 5

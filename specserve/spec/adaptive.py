@@ -3,11 +3,15 @@
 Model. A request's drafts are accepted one after another with probability `alpha` each
 (estimated per request from its own verify results, with exponential forgetting). With k
 drafts a verify step emits on average E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens and
-costs C(k) = 1 + k * r plain decode steps, where r is the cost of one draft token relative
-to a plain step: the verifier's marginal cost per extra token (`verify_cost`: a prior,
-then learned from the times of target decode steps with and without drafts) plus, for a draft model, the
-measured time of one draft step over the measured time of a target step. The request gets
-the k in 0..K maximising E(k) / C(k).
+costs C(k) = 1 + overhead + k * r plain decode steps:
+  * overhead: the extra time of a target step that verifies drafts over a plain decode step,
+    flat in k (a forward over a few tokens costs about the same for 2 or 6 of them; on CPU
+    it is the switch from matrix-vector to matrix-matrix products, measured at +60-80%
+    here). It starts at the configured `verify_cost` and is then learned from the times
+    of target decode steps with and without drafts, per batch size;
+  * r: per draft token, a small verify share (`VERIFY_PER_TOKEN`) plus, for a draft model,
+    the measured time of one draft step over the measured time of a target step.
+The request gets the k in 0..K maximising E(k) / C(k) (0 when nothing beats a plain step).
 
 When that is 0 the request stops speculating; it probes again with one draft after
 `probe_interval` steps, so a request whose text becomes predictable later (a summary that
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 
 from specserve.request import Request
 
+VERIFY_PER_TOKEN = 0.02  # verify cost of one more draft token, relative to a plain step
+
 
 @dataclass
 class _Acceptance:
@@ -35,15 +41,15 @@ class _Acceptance:
 
 
 class AdaptiveLength:
-    def __init__(self, max_drafts: int, enabled: bool = True, verify_cost: float = 0.05,
+    def __init__(self, max_drafts: int, enabled: bool = True, verify_cost: float = 0.1,
                  decay: float = 0.8, probe_interval: int = 16) -> None:
         self.max_drafts = max_drafts
         self.enabled = enabled
-        self.verify_cost = verify_cost
+        self.verify_cost = verify_cost  # the overhead above, learned
         self.decay = decay
         self.probe_interval = probe_interval
         self.draft_cost = 0.0  # one draft step / one target step (measured; 0 for n-gram)
-        self._plain_s: float | None = None  # time of a target decode step without drafts
+        self._plain_s: dict[int, float] = {}  # batch size -> time of a decode step without drafts
         self._acc: weakref.WeakKeyDictionary[Request, _Acceptance] = weakref.WeakKeyDictionary()
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
@@ -59,21 +65,23 @@ class AdaptiveLength:
 
     def observe_target_step(self, seconds: float, num_requests: int, num_drafts: int,
                             num_tokens: int) -> None:
-        """Learn verify_cost from target step times: decode steps without drafts give the
-        plain step time, steps with drafts the extra time per draft token relative to it."""
+        """Learn the verify overhead from target step times: decode steps without drafts give
+        the plain step time of a batch size, steps with drafts the overhead over it."""
         if num_tokens != num_requests + num_drafts:
             return  # a prefill chunk is in the step: not comparable
+        plain = self._plain_s.get(num_requests)
         if num_drafts == 0:
-            self._plain_s = seconds if self._plain_s is None else 0.8 * self._plain_s + 0.2 * seconds
-        elif self._plain_s:
-            marginal = max(0.0, seconds / self._plain_s - 1.0) / num_drafts
-            self.verify_cost = min(2.0, 0.8 * self.verify_cost + 0.2 * marginal)
+            self._plain_s[num_requests] = seconds if plain is None else 0.8 * plain + 0.2 * seconds
+        elif plain:
+            extra = seconds / plain - 1.0 - VERIFY_PER_TOKEN * num_drafts
+            self.verify_cost = min(3.0, max(0.0, 0.8 * self.verify_cost + 0.2 * extra))
 
     def num_drafts(self, req: Request) -> int:
         if not self.enabled:
             return self.max_drafts
         a = self._acc.setdefault(req, _Acceptance())
-        best = best_length(a.alpha, self.max_drafts, self.verify_cost + self.draft_cost)
+        best = best_length(a.alpha, self.max_drafts, VERIFY_PER_TOKEN + self.draft_cost,
+                           self.verify_cost)
         if best > 0:
             a.idle_steps = 0
             return best
@@ -87,12 +95,12 @@ class AdaptiveLength:
         return self._acc.setdefault(req, _Acceptance()).alpha
 
 
-def best_length(alpha: float, max_drafts: int, cost_per_draft: float) -> int:
-    """argmax over k in [0, max_drafts] of expected tokens per verify step / its cost."""
+def best_length(alpha: float, max_drafts: int, cost_per_draft: float, overhead: float = 0.0) -> int:
+    """argmax over k in [0, max_drafts] of expected tokens per step / the step's cost."""
     best, best_rate = 0, 1.0
     for k in range(1, max_drafts + 1):
         expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-        rate = expected / (1 + k * cost_per_draft)
+        rate = expected / (1 + overhead + k * cost_per_draft)
         if rate > best_rate * 1.02:  # ties go to the shorter draft
             best, best_rate = k, rate
     return best

@@ -88,7 +88,7 @@ class ChainSpecDecoder(SpecDecoder):
         self.proposer = proposer
         self.max_drafts = config.num_speculative_tokens
         self.adaptive = AdaptiveLength(self.max_drafts, config.extra.get("adaptive", True),
-                                       float(config.extra.get("verify_cost", 0.05)))
+                                       float(config.extra.get("verify_cost", 0.1)))
         self._propose_end = 0.0
         self._last_log = time.monotonic()
         self._last_stats = None
