@@ -1,4 +1,4 @@
-"""`specserve` command line: serve, generate, bench {offline,serve,spec}.
+"""`specserve` command line: serve, generate, train-draft, bench {offline,serve,spec}.
 
 Subcommands import their modules lazily so `specserve --help` is instant.
 """
@@ -32,6 +32,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     gen.add_argument("--speculative-config", default=None)
 
+    from specserve.spec import train
+
+    train.add_args(sub.add_parser("train-draft", help="train an EAGLE or Medusa draft head "
+                                  "for a target model (self-distillation)"))
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in _BENCHES.items():
         p = bench.add_parser(name, help=help_text)
@@ -64,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_server(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "train-draft":
+            from specserve.spec import train
+
+            return train.run(args) or 0
         if getattr(args, "_missing", None):
             print(f"specserve bench {args.bench}: unavailable ({args._missing})", file=sys.stderr)
             return 2
