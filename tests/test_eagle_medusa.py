@@ -163,3 +163,48 @@ def test_shipped_head_on_default_model_equals_plain_greedy():
     assert got == ref
     assert accept > 1.2
     assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def tiny_llm(tmp_path: Path):
+    """The engine on a tiny random model (the default model's tokenizer, ids < 96)."""
+    import shutil
+
+    from specserve import LLM
+    from specserve.model.loader import resolve_model_dir
+
+    src = resolve_model_dir("smollm2-135m-instruct")
+    model_dir = tmp_path / "tiny-model"
+    model_dir.mkdir()
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, model_dir / f.name)
+    (model_dir / "config.json").write_text(json.dumps({**TINY, "eos_token_id": 95}))
+    return LLM(str(model_dir), load_format="dummy", seed=3, max_model_len=256, num_blocks=96,
+               block_size=4)
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_tree_spec_decoder_in_the_engine(tmp_path, method):
+    from specserve.config import SpecConfig
+    from specserve.spec.tree_decoder import TreeSpecDecoder
+
+    llm = tiny_llm(tmp_path)
+    engine = llm.engine
+    arch = engine.arch
+    prompts = [{"prompt_token_ids": [5, 9, 17, 33, 2, 8, 8, 1, 4]}, {"prompt_token_ids": [7, 7, 1, 80]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    if method == "eagle":
+        write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
+        prop = EagleProposer(engine.runner.model, tmp_path / "head", 10, depth=4, topk=3)
+    else:
+        write_medusa(tmp_path / "head", arch)
+        prop = MedusaProposer(engine.runner.model, tmp_path / "head")
+    engine.spec = TreeSpecDecoder(SpecConfig(method=method, num_speculative_tokens=10), engine, prop)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]  # prefix-cache hits now
+    assert got == ref
+    assert engine.stats.spec_num_drafts > 0
+    sampled = llm.generate(prompts, SamplingParams(temperature=0.9, max_tokens=20, seed=7, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 20 for o in sampled)
+    assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
+    assert not engine.spec.trees and not engine.spec._seen
