@@ -97,8 +97,8 @@ def _one(rng: random.Random) -> str:
                            f"Write a short dialogue between two friends about {a}."])
     if kind == 8:
         return rng.choice([f"Explain step by step how to plan a trip to {rng.choice(CITIES)}.",
-                           f"If all birds can fly and a penguin is a bird, can a penguin fly? "
-                           f"Explain the flaw in the reasoning.",
+                           ("If all birds can fly and a penguin is a bird, can a penguin fly? "
+                            "Explain the flaw in the reasoning."),
                            f"What would happen if {t} disappeared tomorrow? Reason it through.",
                            f"Write an email to {rng.choice(NAMES)} about {t}."])
     return rng.choice([f"Translate into French: 'I love {t}.'", f"Write a title and outline for an essay on {t}.",

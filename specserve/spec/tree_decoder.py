@@ -21,7 +21,13 @@ import torch
 from specserve.config import SpecConfig
 from specserve.model.runner import StepLogits
 from specserve.request import Request
-from specserve.sampler import SamplingBatch, apply_penalties, gather_logprobs, processed_probs, uniform_noise
+from specserve.sampler import (
+    SamplingBatch,
+    apply_penalties,
+    gather_logprobs,
+    processed_probs,
+    uniform_noise,
+)
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.draft_tree import DraftTree
 from specserve.spec.step import SpecDecoder, StepResult
@@ -32,9 +38,11 @@ def make_tree_proposer(config: SpecConfig, engine):
     model = engine.runner.model
     m = config.num_speculative_tokens
     if config.method == "eagle":
+        from specserve.config import DEFAULT_MODEL
+        from specserve.model.loader import canonical_alias
         from specserve.spec.eagle import EagleProposer
 
-        if config.model is None and engine.arch.hidden_size != 576:
+        if config.model is None and canonical_alias(engine.config.model.model) != DEFAULT_MODEL:
             raise ValueError("speculative_config.model: the shipped EAGLE head is for the default "
                              "model; name a head trained for this target")
         return EagleProposer(model, config.model, m, depth=config.depth or min(5, m),
