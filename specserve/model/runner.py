@@ -59,6 +59,7 @@ class ModelRunner:
             model.load_hf_state_dict(load_safetensors(model_dir))
         self.model = model.to(self.dtype).eval()
         self.model.rotary.float()
+        self.model.finalize_weights()
         self.backend = get_attention_backend(self.device)
         self.num_blocks = cache_config.num_blocks or self._blocks_for(cache_config.kv_cache_memory_gb)
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
