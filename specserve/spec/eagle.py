@@ -60,7 +60,8 @@ class EagleProposer:
                       else target_model.embed_tokens.weight)
         self.d2t = d2t.to(self.device) if d2t is not None else None
         w = target_model.lm_head.weight
-        self.lm_weight = w.index_select(0, self.d2t).contiguous() if d2t is not None else w  # [N, hidden]
+        lm_weight = w.index_select(0, self.d2t) if d2t is not None else w  # [N, hidden]
+        self.lm_weight_t = lm_weight.t().contiguous()  # [hidden, N]: skinny products read it faster
         self.cache: dict[str, _HeadCache] = {}
 
     # -- state ------------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class EagleProposer:
     # -- drafting ---------------------------------------------------------------------------------
     def _scores(self, out: torch.Tensor) -> torch.Tensor:
         """out: [N, hidden] -> draft log-probabilities [N, V'] (float32)."""
-        return torch.log_softmax((out @ self.lm_weight.T).float(), -1)
+        return torch.log_softmax((out @ self.lm_weight_t).float(), -1)
 
     def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[ids] if self.d2t is not None else ids
