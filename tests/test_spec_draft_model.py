@@ -28,8 +28,7 @@ def baseline(llm):
     return [expect[p] for p in PROMPTS]
 
 
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3,
-                               pytest.param(5, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_equals_plain_and_all_drafts_accepted(self_draft_llm, baseline, k):
     set_num_drafts(self_draft_llm, k)
     stats = self_draft_llm.engine.stats

@@ -31,7 +31,7 @@ def test_lookup_most_recent_longest_match():
     assert ngram_lookup(np.array([7, 1, 5, 1]), 1, 3, 2) == [5, 1]
 
 
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3, 5])
+@pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_equals_plain_decoding(llm, ngram_llm, k):
     expect = greedy_baseline(llm)
     set_num_drafts(ngram_llm, k)
