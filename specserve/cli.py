@@ -72,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train-draft":
             from specserve.spec import train
 
-            return train.run(args) or 0
+            rc = train.run(args)
+            return rc if isinstance(rc, int) else 0
         if getattr(args, "_missing", None):
             print(f"specserve bench {args.bench}: unavailable ({args._missing})", file=sys.stderr)
             return 2
-        return importlib.import_module(_BENCHES[args.bench][0]).run(args) or 0
+        rc = importlib.import_module(_BENCHES[args.bench][0]).run(args)
+        return rc if isinstance(rc, int) else 0  # some benches return their result dict
     except ValueError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2

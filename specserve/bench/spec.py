@@ -42,6 +42,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="target model (default: the default model)")
     parser.add_argument("--draft-model", default=None,
                         help="also run method draft_model with this draft (same vocabulary)")
+    parser.add_argument("--eagle", nargs="?", const="default", default=None, metavar="HEAD_DIR",
+                        help="also run method eagle (the shipped head for the default model, "
+                             "or HEAD_DIR)")
+    parser.add_argument("--eagle-drafts", type=int, default=16,
+                        help="eagle: draft tree size m (num_speculative_tokens)")
+    parser.add_argument("--medusa", default=None, metavar="HEADS_DIR",
+                        help="also run method medusa with these heads")
     parser.add_argument("--category", action="append", choices=CATEGORIES, default=None,
                         help="categories to run (repeatable; default: all)")
     parser.add_argument("--limit", type=int, default=5, help="prompts per category")
@@ -96,6 +103,15 @@ def run(args: argparse.Namespace) -> dict:
         engines["draft_model"] = LLM(args.model, max_model_len=args.max_model_len,
                                      speculative_config={"method": "draft_model",
                                                          "model": args.draft_model, **common})
+    if args.eagle:
+        eagle = {"method": "eagle", "num_speculative_tokens": args.eagle_drafts}
+        if args.eagle != "default":
+            eagle["model"] = args.eagle
+        engines["eagle"] = LLM(args.model, max_model_len=args.max_model_len,
+                               speculative_config=eagle)
+    if args.medusa:
+        engines["medusa"] = LLM(args.model, max_model_len=args.max_model_len,
+                                speculative_config={"method": "medusa", "model": args.medusa})
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tallies = {c: {m: Tally() for m in engines} for c in categories}
     for cat, turn in tqdm(prompts, desc="spec bench", unit="prompt"):
