@@ -82,11 +82,12 @@ def run(args):
     if "flex" not in skip:
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-            import torch._dynamo
+            from torch._dynamo import config as dynamo_config  # not `import torch._dynamo`:
+            # that would make `torch` a local name of run() and break its earlier uses
 
             for knob in ("cache_size_limit", "recompile_limit"):  # one compile per shape / mask
-                if hasattr(torch._dynamo.config, knob):
-                    setattr(torch._dynamo.config, knob, 256)
+                if hasattr(dynamo_config, knob):
+                    setattr(dynamo_config, knob, 256)
             flex = torch.compile(flex_attention, dynamic=False)
         except Exception as e:  # pragma: no cover - depends on torch build
             print(f"[warn] flex_attention unavailable: {e}", file=sys.stderr)
@@ -131,8 +132,8 @@ def run(args):
                         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                             return F.scaled_dot_product_attention(qd, kx, vx, scale=paged["scale"])
                     bench("decode", "sdpa_flash_x", B, ctx, 1, sdpa_flash_x, ref)
-                    del kx, vx
-            del paged, qd, k, v, tri, ref
+                    kx = vx = None
+            paged = qd = k = v = tri = ref = None  # free before the next case
             # ---- tree verification ------------------------------------------
             Bt = args.tree_batch or B
             for n in args.tree_sizes:
@@ -161,8 +162,8 @@ def run(args):
                     bench("tree", "sdpa_mask", Bt, ctx, n,
                           lambda: F.scaled_dot_product_attention(qd, k, v, attn_mask=dense, scale=paged["scale"],
                                                                  enable_gqa=True), ref)
-                    del dense
-                del paged, qd, k, v, tri, ref
+                    dense = None
+                paged = qd = k = v = tri = ref = None  # free before the next case
                 torch.cuda.empty_cache()
     return rows
 
