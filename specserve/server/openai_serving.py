@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,3 +221,44 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 SSE_DONE = sse("[DONE]")
+
+
+async def choice_deltas(stream: Any, index_of: dict[str, int], want_logprobs: bool
+                        ) -> AsyncIterator[tuple[int, RequestOutput, str, list]]:
+    """(choice index, output, new text, new logprobs) each time a choice moves or finishes.
+
+    The engine's cumulative text only grows, so the delta is the suffix not sent yet.
+    """
+    sent_chars, sent_lps = [0] * len(index_of), [0] * len(index_of)
+    async for out in stream:
+        i = index_of[out.request_id]
+        c = out.outputs[0]
+        delta = c.text[sent_chars[i]:]
+        new_lps = (c.logprobs or [])[sent_lps[i]:] if want_logprobs else []
+        if not delta and not new_lps and not out.finished:
+            continue
+        sent_chars[i] = len(c.text)
+        sent_lps[i] += len(new_lps)
+        yield i, out, delta, new_lps
+
+
+async def sse_with_epilogue(events: AsyncIterator[str], stream: Any,
+                            usage_chunk: Callable[[], dict[str, Any] | None],
+                            what: str) -> AsyncIterator[str]:
+    """Wrap a stream's chunks: the usage chunk when asked, errors reported in-band (the
+    status line is already sent), the engine stream closed (aborting what still runs), then
+    `data: [DONE]`."""
+    try:
+        async for event in events:
+            yield event
+        body = usage_chunk()
+        if body is not None:
+            yield sse(body)
+    except APIError as e:
+        yield sse(e.body())
+    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+        logger.exception("%s stream failed", what)
+        yield sse(APIError(500, f"internal error: {e}", type="internal_error").body())
+    finally:
+        await stream.aclose()
+    yield SSE_DONE

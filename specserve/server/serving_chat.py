@@ -7,18 +7,16 @@ chunk with the finish_reason; then the usage chunk when asked, then [DONE].
 
 from __future__ import annotations
 
-import logging
 from typing import Any, AsyncIterator
 
 from specserve.request import RequestOutput, TokenLogprob
 from specserve.server.async_engine import RequestStream
-from specserve.server.openai_serving import (SSE_DONE, APIError, ServingContext, bad_request,
-                                             fan_out, make_usage, sampling_params, sse, submit)
+from specserve.server.openai_serving import (ServingContext, bad_request, choice_deltas, fan_out,
+                                             make_usage, sampling_params, sse, sse_with_epilogue,
+                                             submit)
 from specserve.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                        ChatTokenLogprob, TopLogprob, now, random_id)
-
-logger = logging.getLogger("specserve.server")
 
 
 def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage]) -> str:
@@ -116,40 +114,30 @@ class ChatCall:
                 body["usage"] = None
             return sse(body)
 
-        sent_chars, sent_lps = [0] * n, [0] * n
         finals: list[RequestOutput] = []
-        try:
+
+        async def events() -> AsyncIterator[str]:
             for i in range(n):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
-            async for out in self.stream:
-                i = self.index_of[out.request_id]
-                c = out.outputs[0]
-                delta = c.text[sent_chars[i]:]
-                new_lps = (c.logprobs or [])[sent_lps[i]:] if self.want_logprobs else []
-                if not delta and not new_lps and not out.finished:
-                    continue
-                sent_chars[i] = len(c.text)
-                sent_lps[i] += len(new_lps)
+            async for i, out, delta, new_lps in choice_deltas(self.stream, self.index_of,
+                                                              self.want_logprobs):
                 logprobs = None
                 if self.want_logprobs:
                     entries = _logprob_entries(self.ctx, new_lps)
                     logprobs = {"content": [e.model_dump() for e in entries]}
                 yield chunk([{"index": i, "delta": {"content": delta} if delta else {},
                               "logprobs": logprobs,
-                              "finish_reason": c.finish_reason if out.finished else None}])
+                              "finish_reason": out.outputs[0].finish_reason if out.finished else None}])
                 if out.finished:
                     finals.append(out)
-            if include_usage:
-                usage = make_usage(self.num_prompt_tokens, finals)
-                yield sse({"id": self.request_id, "object": "chat.completion.chunk",
-                           "created": self.created, "model": self.model, "choices": [],
-                           "usage": usage.model_dump()})
-        except APIError as e:
-            yield sse(e.body())
-        except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
-            logger.exception("chat stream failed")
-            yield sse(APIError(500, f"internal error: {e}", type="internal_error").body())
-        finally:
-            await self.stream.aclose()
-        yield SSE_DONE
+
+        def usage_chunk() -> dict[str, Any] | None:
+            if not include_usage:
+                return None
+            return {"id": self.request_id, "object": "chat.completion.chunk",
+                    "created": self.created, "model": self.model, "choices": [],
+                    "usage": make_usage(self.num_prompt_tokens, finals).model_dump()}
+
+        async for event in sse_with_epilogue(events(), self.stream, usage_chunk, "chat"):
+            yield event

@@ -7,17 +7,15 @@ text is prepended and its tokens carry null logprobs: the engine does not score 
 
 from __future__ import annotations
 
-import logging
 from typing import Any, AsyncIterator
 
 from specserve.request import RequestOutput, TokenLogprob
 from specserve.server.async_engine import RequestStream
-from specserve.server.openai_serving import (SSE_DONE, APIError, ServingContext, bad_request,
-                                             fan_out, make_usage, sampling_params, sse, submit)
+from specserve.server.openai_serving import (ServingContext, bad_request, choice_deltas, fan_out,
+                                             make_usage, sampling_params, sse, sse_with_epilogue,
+                                             submit)
 from specserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                        CompletionResponse, now, random_id)
-
-logger = logging.getLogger("specserve.server")
 
 
 def normalize_prompts(ctx: ServingContext, prompt: Any) -> list[tuple[str, list[int]]]:
@@ -145,10 +143,10 @@ class CompletionCall:
                 body["usage"] = None
             return sse(body)
 
-        sent_chars, sent_lps = [0] * n, [0] * n
         builders = [_LogprobBuilder(self.ctx, 0) for _ in range(n)]
         finals: list[RequestOutput] = []
-        try:
+
+        async def events() -> AsyncIterator[str]:
             if req.echo:
                 for i in range(n):
                     prompt_text, prompt_ids = self._prompt_of(i)
@@ -157,32 +155,22 @@ class CompletionCall:
                         lps = CompletionLogprobs()
                         builders[i].add_prompt(prompt_ids, lps)
                     yield chunk(i, prompt_text, lps, None)
-            async for out in self.stream:
-                i = self.index_of[out.request_id]
-                c = out.outputs[0]
-                delta = c.text[sent_chars[i]:]
-                new_lps = (c.logprobs or [])[sent_lps[i]:] if req.logprobs is not None else []
-                if not delta and not new_lps and not out.finished:
-                    continue
-                sent_chars[i] = len(c.text)
-                sent_lps[i] += len(new_lps)
+            async for i, out, delta, new_lps in choice_deltas(self.stream, self.index_of,
+                                                              req.logprobs is not None):
                 lps = None
                 if req.logprobs is not None:
                     lps = CompletionLogprobs()
                     builders[i].add(new_lps, lps)
-                yield chunk(i, delta, lps, c.finish_reason if out.finished else None)
+                yield chunk(i, delta, lps, out.outputs[0].finish_reason if out.finished else None)
                 if out.finished:
                     finals.append(out)
-            if include_usage:
-                usage = make_usage(self.num_prompt_tokens, finals)
-                yield sse({"id": self.request_id, "object": "text_completion",
-                           "created": self.created, "model": self.model, "choices": [],
-                           "usage": usage.model_dump()})
-        except APIError as e:
-            yield sse(e.body())
-        except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
-            logger.exception("completion stream failed")
-            yield sse(APIError(500, f"internal error: {e}", type="internal_error").body())
-        finally:
-            await self.stream.aclose()
-        yield SSE_DONE
+
+        def usage_chunk() -> dict[str, Any] | None:
+            if not include_usage:
+                return None
+            return {"id": self.request_id, "object": "text_completion",
+                    "created": self.created, "model": self.model, "choices": [],
+                    "usage": make_usage(self.num_prompt_tokens, finals).model_dump()}
+
+        async for event in sse_with_epilogue(events(), self.stream, usage_chunk, "completion"):
+            yield event
