@@ -29,18 +29,8 @@ from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only install: the *_ref implementations still work
-    from types import SimpleNamespace
-
-    HAS_TRITON = False
-    triton = SimpleNamespace(jit=lambda fn=None, **kw: fn if fn is not None else (lambda f: f))
-    tl = SimpleNamespace(constexpr=None)
-
+from ._triton import HAS_TRITON, tl, triton  # noqa: F401 (HAS_TRITON re-exported)
+from ._triton import next_pow2 as _next_pow2
 LOG2E = 1.4426950408889634
 
 
@@ -153,10 +143,6 @@ def _paged_attn_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 def launch_paged_attn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                       max_query_len, tree_mask=None) -> torch.Tensor:
     """Shared launcher for paged_attention_triton and tree_attention_triton."""
@@ -235,22 +221,34 @@ def masked_attention_dense(q, k, v, mask, scale) -> torch.Tensor:
     return torch.matmul(p, vf).transpose(0, 1).to(q.dtype)  # [n, Hq, D]
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                        max_query_len: Optional[int] = None) -> torch.Tensor:
-    # Same signature as paged_attention_triton; loops over requests, vectorised over heads.
+def per_request_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                          mask_of) -> torch.Tensor:
+    """The references' shared loop: request b's queries over its gathered context.
+
+    mask_of(s0, s1, seq_len) -> bool [s1 - s0, seq_len]: which context positions each of the
+    request's queries (rows s0..s1 of q) may attend to.
+    """
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
     sl = seq_lens.tolist()
     for b in range(len(sl)):
         s0, s1, seq_len = qsl[b], qsl[b + 1], sl[b]
-        n = s1 - s0
-        if n == 0:
+        if s1 == s0:
             continue
         k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len)
-        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, S]
-        out[s0:s1] = masked_attention_dense(q[s0:s1], k, v, mask, scale)
+        out[s0:s1] = masked_attention_dense(q[s0:s1], k, v, mask_of(s0, s1, seq_len), scale)
     return out
+
+
+def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                        max_query_len: Optional[int] = None) -> torch.Tensor:
+    # Same signature as paged_attention_triton; loops over requests, vectorised over heads.
+    def causal(s0, s1, seq_len):
+        q_pos = torch.arange(seq_len - (s1 - s0), seq_len, device=q.device)
+        return torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, S]
+
+    return per_request_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                 scale, causal)
 
 
 def default_scale(head_dim: int) -> float:

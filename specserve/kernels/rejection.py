@@ -30,21 +30,8 @@ from typing import Optional, Tuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only install: the *_ref implementations still work
-    from types import SimpleNamespace
-
-    HAS_TRITON = False
-    triton = SimpleNamespace(jit=lambda fn=None, **kw: fn if fn is not None else (lambda f: f))
-    tl = SimpleNamespace(constexpr=None)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
+from ._triton import HAS_TRITON, tl, triton  # noqa: F401 (HAS_TRITON re-exported)
+from ._triton import next_pow2 as _next_pow2
 
 
 @triton.jit

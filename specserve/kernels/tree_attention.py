@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .paged_attention import gather_kv, launch_paged_attn, masked_attention_dense
+from .paged_attention import launch_paged_attn, per_request_attention
 
 WORD_BITS = 32
 
@@ -96,20 +96,14 @@ def tree_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_sta
 def tree_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask,
                        scale, max_query_len: Optional[int] = None) -> torch.Tensor:
     # Same signature as tree_attention_triton; unpacks the bitmask per request.
-    out = torch.empty_like(q)
-    qsl = query_start_loc.tolist()
-    sl = seq_lens.tolist()
-    for b in range(len(sl)):
-        s0, s1, seq_len = qsl[b], qsl[b + 1], sl[b]
+    def tree(s0, s1, seq_len):
         n = s1 - s0
-        if n == 0:
-            continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len)
         prefix = torch.ones(n, seq_len - n, dtype=torch.bool, device=q.device)
         nodes = unpack_tree_mask(tree_mask[s0:s1], n).to(q.device)
-        mask = torch.cat([prefix, nodes], dim=1)  # [n, seq_len]
-        out[s0:s1] = masked_attention_dense(q[s0:s1], k, v, mask, scale)
-    return out
+        return torch.cat([prefix, nodes], dim=1)  # [n, seq_len]
+
+    return per_request_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                 scale, tree)
 
 
 def dense_mask_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, dense_mask,
@@ -119,13 +113,5 @@ def dense_mask_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_
     dense_mask: bool [T, >= max(seq_lens)]; row t (aligned with q) marks which
     context positions 0..seq_len-1 of its request the query may attend to.
     """
-    out = torch.empty_like(q)
-    qsl = query_start_loc.tolist()
-    sl = seq_lens.tolist()
-    for b in range(len(sl)):
-        s0, s1, seq_len = qsl[b], qsl[b + 1], sl[b]
-        if s1 == s0:
-            continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[b], seq_len)
-        out[s0:s1] = masked_attention_dense(q[s0:s1], k, v, dense_mask[s0:s1, :seq_len], scale)
-    return out
+    return per_request_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                 scale, lambda s0, s1, seq_len: dense_mask[s0:s1, :seq_len])
