@@ -262,3 +262,15 @@ async def sse_with_epilogue(events: AsyncIterator[str], stream: Any,
     finally:
         await stream.aclose()
     yield SSE_DONE
+
+
+async def collect_finals(stream: Any, index_of: dict[str, int]) -> list[tuple[int, RequestOutput]]:
+    """Drain a non-streaming call's engine stream: (choice index, final output), in order."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for out in stream:
+            if out.finished:
+                finals[index_of[out.request_id]] = out
+    finally:
+        await stream.aclose()
+    return sorted(finals.items())

@@ -11,7 +11,8 @@ from typing import Any, AsyncIterator
 
 from specserve.request import RequestOutput, TokenLogprob
 from specserve.server.async_engine import RequestStream
-from specserve.server.openai_serving import (ServingContext, bad_request, choice_deltas, fan_out,
+from specserve.server.openai_serving import (ServingContext, bad_request, choice_deltas,
+                                             collect_finals, fan_out,
                                              make_usage, sampling_params, sse, sse_with_epilogue,
                                              submit)
 from specserve.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest,
@@ -81,22 +82,16 @@ class ChatCall:
 
     async def collect(self) -> dict[str, Any]:
         assert self.stream is not None
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for out in self.stream:
-                if out.finished:
-                    finals[self.index_of[out.request_id]] = out
-        finally:
-            await self.stream.aclose()
+        finals = await collect_finals(self.stream, self.index_of)
         choices = []
-        for i in sorted(finals):
-            c = finals[i].outputs[0]
+        for i, final in finals:
+            c = final.outputs[0]
             logprobs = None
             if self.want_logprobs:
                 logprobs = ChatLogprobs(content=_logprob_entries(self.ctx, c.logprobs or []))
             choices.append(ChatChoice(index=i, message=AssistantMessage(content=c.text),
                                       finish_reason=c.finish_reason, logprobs=logprobs))
-        usage = make_usage(self.num_prompt_tokens, list(finals.values()))
+        usage = make_usage(self.num_prompt_tokens, [f for _, f in finals])
         body = ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                       choices=choices, usage=usage)
         return body.model_dump()
