@@ -19,10 +19,13 @@ def env_str(name: str, default: str = "") -> str:
     return os.environ.get(f"SPECSERVE_{name}", default)
 
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: see model.runner.pick_dtype)
     load_format: str = "auto"  # auto | dummy
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "auto"  # auto | cpu | cuda
@@ -84,14 +87,14 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     @staticmethod
-    def create(model: str | None = None, *, dtype: str = "float32", load_format: str = "auto",
+    def create(model: str | None = None, *, dtype: str = "auto", load_format: str = "auto",
                max_model_len: int | None = None, device: str = "auto", seed: int = 0,
                block_size: int = 16, num_blocks: int | None = None,
                kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
                max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                speculative_config: str | dict | SpecConfig | None = None) -> "EngineConfig":
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype!r}")
+        if dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: expected 'auto' or 'dummy', got {load_format!r}")
         if block_size < 1 or block_size & (block_size - 1):

@@ -80,7 +80,8 @@ class Engine:
         self._stats = EngineStats(spec_accepted_per_pos=[0] * self.spec.max_drafts)
         print(f"[specserve] model ready in {time.time() - start:.1f} s "
               f"({self.arch.num_layers} layers, vocab {self.arch.vocab_size}, "
-              f"{self.runner.num_blocks} KV blocks, device {self.runner.device})", flush=True)
+              f"{self.runner.num_blocks} KV blocks, {self.runner.device} "
+              f"{str(self.runner.dtype).removeprefix('torch.')})", flush=True)
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

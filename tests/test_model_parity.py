@@ -29,6 +29,12 @@ def hf_model(default_model_dir):
     return model
 
 
+@pytest.fixture(scope="module")
+def llm(make_llm):
+    """float32, the precision these comparisons are about (auto may pick bfloat16)."""
+    return make_llm(max_model_len=2048, dtype="float32")
+
+
 def _our_logits(llm, ids: list[int], chunks: list[int]) -> torch.Tensor:
     """Run `ids` through our model in the given prefill chunks; logits of every position."""
     runner, kv = llm.engine.runner, llm.engine.kv
@@ -37,7 +43,7 @@ def _our_logits(llm, ids: list[int], chunks: list[int]) -> torch.Tensor:
         out, done = [], 0
         for n in chunks:
             meta = AttentionMetadata.build([done + n], [n], [blocks], kv.block_size, runner.device,
-                                           runner.backend.dense)
+                                           runner.backend.layout)
             with torch.inference_mode():
                 hidden = runner.model(torch.tensor(ids[done:done + n]), torch.arange(done, done + n),
                                       runner.kv_caches, meta, runner.backend)

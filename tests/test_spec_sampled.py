@@ -55,7 +55,7 @@ def third_tokens(llm) -> np.ndarray:
 def spec_llm(make_llm, models):
     target, draft = models
     # 3000 sequences of 8 tokens: 2 tokens a block, 1 block each for drafts
-    return make_llm(str(target), num_blocks=8192, block_size=2, max_num_seqs=512,
+    return make_llm(str(target), dtype="float32", num_blocks=8192, block_size=2, max_num_seqs=512,
                     max_num_batched_tokens=4096, speculative_config={
                         "method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
                         "adaptive": False})

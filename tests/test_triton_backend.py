@@ -13,7 +13,7 @@ import pytest
 SCRIPT = r"""
 import json, sys
 from specserve import LLM, SamplingParams
-llm = LLM(sys.argv[1], max_model_len=128, num_blocks=32, block_size=16)
+llm = LLM(sys.argv[1], max_model_len=128, num_blocks=32, block_size=16, dtype="float32")
 prompts = ["hello world, this is a longer prompt that spans more than one block of sixteen", "hi"]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
 print(json.dumps({"backend": type(llm.engine.runner.backend).__name__,

@@ -33,7 +33,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=4, help="prompts for the batch-1 runs")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="both engines (auto: as `specserve serve` picks)")
     p.add_argument("--no-hf-batch", action="store_true", help="skip transformers' padded batch")
     p.add_argument("--out", default="bench_out/offline")
 
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir,
-                                              dtype=getattr(torch, args.dtype)).eval()
+                                              dtype=llm.engine.runner.dtype).eval()
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
     _ours(llm, prompts[:1], 4)  # warm both up
     _hf_generate(hf, tok, prompts[:1], 4)
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         totals["hf_batch"] = list(_hf_generate(hf, tok, many, args.max_tokens))
     rates = {k: n / dt for k, (n, dt) in totals.items()}
     result = {
-        "date": time.strftime("%Y-%m-%d"), "model": llm.engine.model_name, "dtype": args.dtype,
+        "date": time.strftime("%Y-%m-%d"), "model": llm.engine.model_name, "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
         "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
         "concurrency": args.concurrency, "tokens_per_s": rates,
         "ratio_batch1": rates["ours_b1"] / rates["hf_b1"],

@@ -58,6 +58,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--no-adaptive", action="store_true", help="fixed draft length")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="weights and activations of every engine")
     parser.add_argument("--out", default="bench_out/spec", help="directory for JSON and PNG")
     return parser
 
@@ -93,24 +95,25 @@ def run(args: argparse.Namespace) -> dict:
 
     categories = args.category or CATEGORIES
     prompts = load_prompts(categories, args.limit)
-    engines = {"none": LLM(args.model, max_model_len=args.max_model_len)}
+    common_engine = {"max_model_len": args.max_model_len, "dtype": args.dtype}
+    engines = {"none": LLM(args.model, **common_engine)}
     common = {"num_speculative_tokens": args.num_speculative_tokens,
               "adaptive": not args.no_adaptive}
-    engines["ngram"] = LLM(args.model, max_model_len=args.max_model_len, speculative_config={
+    engines["ngram"] = LLM(args.model, **common_engine, speculative_config={
         "method": "ngram", "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max, **common})
     if args.draft_model:
-        engines["draft_model"] = LLM(args.model, max_model_len=args.max_model_len,
+        engines["draft_model"] = LLM(args.model, **common_engine,
                                      speculative_config={"method": "draft_model",
                                                          "model": args.draft_model, **common})
     if args.eagle:
         eagle = {"method": "eagle", "num_speculative_tokens": args.eagle_drafts}
         if args.eagle != "default":
             eagle["model"] = args.eagle
-        engines["eagle"] = LLM(args.model, max_model_len=args.max_model_len,
+        engines["eagle"] = LLM(args.model, **common_engine,
                                speculative_config=eagle)
     if args.medusa:
-        engines["medusa"] = LLM(args.model, max_model_len=args.max_model_len,
+        engines["medusa"] = LLM(args.model, **common_engine,
                                 speculative_config={"method": "medusa", "model": args.medusa})
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tallies = {c: {m: Tally() for m in engines} for c in categories}

@@ -13,6 +13,10 @@ request's new tokens form a draft tree, `tree_parents` gives each node's parent 
 Backends (same interface, chosen by `get_attention_backend`):
   * `TorchAttention`: the CPU reference. It gathers every request's context into one padded
     [B, L] batch and runs one SDPA call per layer with a dense boolean mask.
+  * `InvariantAttention`: the CPU backend for bfloat16. Same gathered layout, but every query
+    row's result is bitwise independent of the batch around it (how many rows, how many keys,
+    whether it is a decode token, a draft to verify or a tree node), which is what makes
+    speculation exactly lossless in bfloat16. See its docstring.
   * `TritonAttention`: the kernels in specserve/kernels (CUDA).
 """
 
@@ -39,13 +43,22 @@ class AttentionMetadata:
     gather_slots: torch.Tensor | None = None  # [B, L] int64: slot of each context position (padded)
     query_dest: torch.Tensor | None = None  # [T] int64: row of each token in the padded [B*Q] batch
     dense_mask: torch.Tensor | None = None  # [B, 1, Q, L] bool (None: every query sees every key)
+    # Logical layout (InvariantAttention): keys in order of position as each query row sees them
+    logical_index: torch.Tensor | None = None  # [B, Q, L] int64 dense key per logical slot; None: identity
+    logical_start: int = 0  # every row's logical order equals the dense one below this position
     tree_mask: torch.Tensor | None = None  # [T, W] int32 packed bits for the Triton tree kernel
 
     @staticmethod
     def build(seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device, dense: bool,
+              block_size: int, device: torch.device, layout: str,
               tree_parents: list[list[int] | None] | None = None) -> "AttentionMetadata":
-        """Host-side construction with numpy; one transfer per tensor."""
+        """Host-side construction with numpy; one transfer per tensor.
+
+        layout: the backend's: "paged" (block tables only), "dense" (gathered context and a
+        mask in the gathered order) or "logical" (gathered context, and a mask and key order by
+        position: a tree node at depth d sees positions up to prefix + d, its ancestors in
+        depth order).
+        """
         seq = np.asarray(seq_lens, dtype=np.int64)
         qlen = np.asarray(query_lens, dtype=np.int64)
         num_reqs = len(seq_lens)
@@ -69,13 +82,12 @@ class AttentionMetadata:
             max_seq_len=int(seq.max()),
         )
         has_tree = tree_parents is not None and any(p is not None for p in tree_parents)
-        if dense:
+        if layout == "logical":
+            _logical_layout(meta, table, seq, qlen, req_of_token, qsl, block_size, tree_parents,
+                            as_t)
+        elif layout == "dense":
+            ctx = _gather_layout(meta, table, seq, req_of_token, qsl, block_size, as_t)
             max_q, max_l = meta.max_query_len, meta.max_seq_len
-            ctx = np.arange(max_l)
-            gather = table[:, np.minimum(ctx // block_size, max_blocks - 1)] * block_size + ctx % block_size
-            gather = np.where(ctx[None, :] < seq[:, None], gather, 0)
-            meta.gather_slots = as_t(gather)
-            meta.query_dest = as_t(req_of_token * max_q + np.arange(int(qsl[-1])) - qsl[req_of_token])
             if max_q > 1 or has_tree or (seq != max_l).any():
                 q_pos = (seq - qlen)[:, None] + np.arange(max_q)[None, :]  # [B, Q]
                 mask = ctx[None, None, :] <= q_pos[:, :, None]  # causal [B, Q, L]
@@ -84,9 +96,50 @@ class AttentionMetadata:
                     _apply_tree(mask, tree_parents, seq, qlen)
                 mask[:, :, 0] |= ~mask.any(-1)  # padded query rows: keep softmax finite
                 meta.dense_mask = as_t(mask, torch.bool).unsqueeze(1)
-        elif has_tree:
+        elif layout == "paged" and has_tree:
             meta.tree_mask = _packed_tree_mask(tree_parents, qlen, device)
         return meta
+
+
+def _gather_layout(meta: AttentionMetadata, table: np.ndarray, seq: np.ndarray,
+                   req_of_token: np.ndarray, qsl: np.ndarray, block_size: int, as_t) -> np.ndarray:
+    """gather_slots and query_dest of the padded [B, L] / [B*Q] layout; returns the context range."""
+    max_q, max_l = meta.max_query_len, meta.max_seq_len
+    ctx = np.arange(max_l)
+    blocks = table.shape[1]
+    gather = table[:, np.minimum(ctx // block_size, blocks - 1)] * block_size + ctx % block_size
+    gather = np.where(ctx[None, :] < seq[:, None], gather, 0)
+    meta.gather_slots = as_t(gather)
+    meta.query_dest = as_t(req_of_token * max_q + np.arange(int(qsl[-1])) - qsl[req_of_token])
+    return ctx
+
+
+def _logical_layout(meta, table, seq, qlen, req_of_token, qsl, block_size, tree_parents, as_t):
+    ctx = _gather_layout(meta, table, seq, req_of_token, qsl, block_size, as_t)
+    num_reqs, max_q, max_l = len(seq), meta.max_query_len, meta.max_seq_len
+    prefix = seq - qlen
+    q_pos = prefix[:, None] + np.arange(max_q)[None, :]  # [B, Q] position of each query row
+    trees = [(b, p) for b, p in enumerate(tree_parents or []) if p is not None]
+    if trees:
+        index = np.broadcast_to(ctx, (num_reqs, max_q, max_l)).copy()
+        for b, parents in trees:
+            p0 = int(prefix[b])
+            for i, path in enumerate(_root_paths(parents)):  # path: the node's ancestors, root first
+                q_pos[b, i] = p0 + len(path) - 1
+                index[b, i, p0:p0 + len(path)] = p0 + np.asarray(path)
+        meta.logical_index = as_t(index)
+        meta.logical_start = int(min(prefix[b] for b, _ in trees))
+    valid = np.arange(max_q)[None, :] < qlen[:, None]
+    q_pos = np.where(valid, q_pos, 0)  # padded query rows see key 0 only: softmax stays finite
+    if max_q > 1 or trees or (seq != max_l).any():
+        meta.dense_mask = as_t(ctx[None, None, :] <= q_pos[:, :, None], torch.bool).unsqueeze(1)
+
+
+def _root_paths(parents: list[int]) -> list[list[int]]:
+    paths: list[list[int]] = []
+    for i, p in enumerate(parents):  # parents precede children
+        paths.append((paths[p] if p >= 0 else []) + [i])
+    return paths
 
 
 def _ancestor_matrix(parents: list[int]) -> np.ndarray:
@@ -128,50 +181,162 @@ class TorchAttention:
     times along that axis once per step.
     """
 
-    dense = True
+    layout = "dense"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
-        num_kv, head_dim = k.shape[1], k.shape[2]
-        group = q.shape[1] // num_kv
-        flat_k = k_cache.view(-1, num_kv, head_dim)
-        flat_v = v_cache.view(-1, num_kv, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
-        num_reqs, max_l = meta.gather_slots.shape
-        max_q, total = meta.max_query_len, q.shape[0]
-        slots = meta.gather_slots.view(-1)
-        keys = flat_k.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
-        values = flat_v.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
-        padded = total != num_reqs * max_q
-        if padded:
-            q = q.new_zeros(num_reqs * max_q, q.shape[1], head_dim).index_copy_(0, meta.query_dest, q)
-        # [B*Q, Hkv*G, D] -> [B, Hkv, G*Q, D]
-        queries = q.view(num_reqs, max_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
-        queries = queries.reshape(num_reqs, num_kv, group * max_q, head_dim)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_group_mask(meta, group),
+        queries, keys, values, group = _gather_dense(q, k, v, k_cache, v_cache, meta)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_group_rows(meta, group),
                                              scale=scale)
-        out = out.view(num_reqs, num_kv, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-        out = out.reshape(num_reqs * max_q, num_kv * group, head_dim)
-        return out.index_select(0, meta.query_dest) if padded else out
+        return _scatter_dense(out, meta, group, q.shape[0])
 
 
-def _group_mask(meta: AttentionMetadata, group: int) -> torch.Tensor | None:
+class InvariantAttention:
+    """CPU bfloat16 backend whose every query row is bitwise independent of the batch.
+
+    Speculation is lossless only if the logits of a token are the same whether it is decoded
+    alone, verified behind a run of drafts, or verified as a tree node, and whatever other
+    requests share the step. SDPA's CPU kernel does not give that (its blocking and reductions
+    follow the query and key counts), but oneDNN's bfloat16 GEMMs do: a row's result does not
+    depend on the number of rows, of columns or of batch entries (tests/test_invariance.py
+    checks this on the machine that runs the suite). So attention is written with those GEMMs
+    and with reductions whose order depends only on key positions:
+
+    * scores = q @ K^T in bfloat16, softmax in float32 over keys in position order; keys past
+      a row's position get -inf, and the key axis is padded to a multiple of CHUNK so the
+      softmax sums always run over whole vectors (extra exact zeros change nothing);
+    * P @ V per chunk of CHUNK key positions (a GEMM with a fixed reduction length), and the
+      chunk partials summed in position order by a cumulative sum, whose trailing all-zero
+      chunks leave the total unchanged;
+    * a tree node sees its ancestors at consecutive positions after the prefix (as plain
+      decoding would have written them), so its scores are permuted into that order
+      (`logical_index`) and the chunks past the tree's prefix use per-row gathered values.
+
+    The same arithmetic in float32 is not invariant (MKL's sgemm takes different paths for
+    1, 2-3 and 4+ rows), so float32 keeps TorchAttention.
+    """
+
+    layout = "logical"
+    CHUNK = 64
+    MAX_SCORES = 1 << 24  # score elements per block of query rows (bounds prefill memory)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+        queries, keys, values, group = _gather_dense(q, k, v, k_cache, v_cache, meta)
+        c = self.CHUNK
+        length = keys.shape[2]
+        padded = -(-length // c) * c
+        if padded != length:
+            keys = F.pad(keys, (0, 0, 0, padded - length))
+            values = F.pad(values, (0, 0, 0, padded - length))
+        mask = _group_rows(meta, group)
+        index = _group_index(meta, group)
+        if padded != length:  # the padding keys must get no weight
+            if mask is None:
+                mask = (torch.arange(padded, device=keys.device) < length).view(1, 1, 1, padded)
+            else:
+                mask = F.pad(mask, (0, padded - length))
+        if index is not None and padded != length:
+            index = F.pad(index, (0, padded - length))
+        rows = queries.shape[2]
+        step = max(1, self.MAX_SCORES // max(1, queries.shape[0] * queries.shape[1] * padded))
+        outs = []
+        for r in range(0, rows, step):
+            sl = slice(r, min(rows, r + step))
+            outs.append(self._rows(queries[:, :, sl], keys, values,
+                                   mask if mask is None or mask.shape[2] == 1 else mask[:, :, sl],
+                                   None if index is None else index[:, :, sl],
+                                   meta.logical_start, scale))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return _scatter_dense(out, meta, group, q.shape[0])
+
+    def _rows(self, queries, keys, values, mask, index, logical_start, scale):
+        b, h, m, d = queries.shape
+        c = self.CHUNK
+        n = keys.shape[2] // c
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, H, M, L]
+        if index is not None:
+            scores = scores.gather(-1, index.expand(b, h, m, -1))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(queries.dtype)
+        shared = n if index is None else logical_start // c  # chunks in dense (= logical) order
+        parts = []
+        if shared:
+            p = probs[..., :shared * c].reshape(b, h, m, shared, c).transpose(2, 3)
+            parts.append(torch.matmul(p, values[:, :, :shared * c].reshape(b, h, shared, c, d))
+                         .transpose(2, 3))  # [B, H, M, shared, D]
+        if shared < n:  # per-row values in logical order for the chunks a tree reaches
+            tail = n - shared
+            # rows of values.view(B*H*L, D): (b * H + h) * L + logical key
+            base = torch.arange(b * h, device=values.device).view(b, h, 1, 1) * values.shape[2]
+            flat = (index[..., shared * c:] + base).reshape(-1)
+            v_rows = values.reshape(-1, d).index_select(0, flat).view(b, h, m, tail, c, d)
+            p = probs[..., shared * c:].reshape(b, h, m, tail, 1, c)
+            parts.append(torch.matmul(p, v_rows).squeeze(-2))  # [B, H, M, tail, D]
+        part = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+        return part.float().cumsum(dim=3)[:, :, :, -1].to(queries.dtype)
+
+
+def _gather_dense(q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+    """Write the new K/V, gather each request's context: queries [B, Hkv, G*Q, D] and
+    keys/values [B, Hkv, L, D] (G query heads per KV head folded into the row axis)."""
+    # q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
+    num_kv, head_dim = k.shape[1], k.shape[2]
+    group = q.shape[1] // num_kv
+    flat_k = k_cache.view(-1, num_kv, head_dim)
+    flat_v = v_cache.view(-1, num_kv, head_dim)
+    flat_k.index_copy_(0, meta.slot_mapping, k)
+    flat_v.index_copy_(0, meta.slot_mapping, v)
+    num_reqs, max_l = meta.gather_slots.shape
+    max_q = meta.max_query_len
+    slots = meta.gather_slots.view(-1)
+    keys = flat_k.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
+    values = flat_v.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
+    if q.shape[0] != num_reqs * max_q:
+        q = q.new_zeros(num_reqs * max_q, q.shape[1], head_dim).index_copy_(0, meta.query_dest, q)
+    # [B*Q, Hkv*G, D] -> [B, Hkv, G*Q, D]
+    queries = q.view(num_reqs, max_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
+    return queries.reshape(num_reqs, num_kv, group * max_q, head_dim), keys, values, group
+
+
+def _scatter_dense(out: torch.Tensor, meta: AttentionMetadata, group: int, total: int) -> torch.Tensor:
+    """[B, Hkv, G*Q, D] -> [T, Hq, D] in the step's token order."""
+    num_reqs, num_kv, _, head_dim = out.shape
+    max_q = meta.max_query_len
+    out = out.view(num_reqs, num_kv, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_reqs * max_q, num_kv * group, head_dim)
+    return out.index_select(0, meta.query_dest) if total != num_reqs * max_q else out
+
+
+def _group_rows(meta: AttentionMetadata, group: int) -> torch.Tensor | None:
+    """The [B, 1, Q, L] mask repeated for the G folded query heads: [B, 1, G*Q, L]."""
     if meta.dense_mask is None:
         return None
     cached = getattr(meta, "_group_mask", None)
     if cached is None or cached[0] != group:
-        cached = (group, meta.dense_mask.repeat(1, 1, group, 1))  # [B, 1, G*Q, L]
+        cached = (group, meta.dense_mask.repeat(1, 1, group, 1))
         meta._group_mask = cached
+    return cached[1]
+
+
+def _group_index(meta: AttentionMetadata, group: int) -> torch.Tensor | None:
+    """logical_index [B, Q, L] as [B, 1, G*Q, L], cached per step."""
+    if meta.logical_index is None:
+        return None
+    cached = getattr(meta, "_group_index", None)
+    if cached is None or cached[0] != group:
+        cached = (group, meta.logical_index.unsqueeze(1).repeat(1, 1, group, 1))
+        meta._group_index = cached
     return cached[1]
 
 
 class TritonAttention:
     """CUDA backend: the paged and tree attention kernels of specserve.kernels."""
 
-    dense = False
+    layout = "paged"
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         from specserve import kernels
@@ -186,8 +351,17 @@ class TritonAttention:
                                        max_query_len=meta.max_query_len)
 
 
-def get_attention_backend(device: torch.device):
+def get_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32):
+    """SPECSERVE_ATTENTION_BACKEND = auto | torch | invariant | triton. auto: Triton on CUDA;
+    on CPU the invariant backend for bfloat16 and SDPA (TorchAttention) otherwise."""
     choice = env_str("ATTENTION_BACKEND", "auto")
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
-        return TorchAttention()
-    return TritonAttention()
+    if choice == "auto":
+        if device.type == "cuda":
+            choice = "triton"
+        else:
+            choice = "invariant" if dtype == torch.bfloat16 else "torch"
+    backends = {"torch": TorchAttention, "invariant": InvariantAttention, "triton": TritonAttention}
+    if choice not in backends:
+        raise ValueError(f"SPECSERVE_ATTENTION_BACKEND: expected auto, torch, invariant or triton, "
+                         f"got {choice!r}")
+    return backends[choice]()

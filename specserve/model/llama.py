@@ -18,6 +18,25 @@ from specserve.model.arch import ModelArch
 from specserve.model.attention import AttentionMetadata
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can route one-row inputs through the many-row GEMM.
+
+    oneDNN's bfloat16 GEMM gives a row the same bits whatever the number of rows, except that
+    a single row takes a GEMV path whose sums differ in the last bit now and then (seen for
+    reduction lengths of 1536 and more). `finalize_weights` sets `pad_single_row` for the CPU
+    bfloat16 model, so a one-token decode step computes exactly what the same token gets
+    inside a verification batch; the extra row costs nothing measurable (the weights are read
+    once either way).
+    """
+
+    pad_single_row = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad_single_row and x.shape[0] == 1:
+            return F.linear(torch.cat((x, x)), self.weight, self.bias)[:1]
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -82,8 +101,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -104,8 +123,8 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.intermediate = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -132,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(arch, max_positions)
@@ -157,12 +176,18 @@ class LlamaForCausalLM(nn.Module):
     def finalize_weights(self) -> None:
         """Call once the weights are final (loaded and cast).
 
-        CPU BLAS reads an [H, V] weight for a skinny product about twice as fast as the [V, H]
-        nn.Linear layout (measured on the default model's 49k x 576 head, one row), so the CPU
-        path keeps a transposed copy of the LM head; CUDA keeps none.
+        CPU float32: MKL reads an [H, V] weight for a skinny product about twice as fast as the
+        [V, H] nn.Linear layout (measured on the default model's 49k x 576 head, one row), so
+        the head keeps a transposed copy. CPU bfloat16: oneDNN is faster with the nn.Linear
+        layout, and one-row products go through the many-row GEMM (see `Linear`) so that every
+        row's result is independent of the batch. CUDA: neither.
         """
         weight = self.lm_head.weight.detach()
-        self.lm_head_t = weight.t().contiguous() if weight.device.type == "cpu" else None
+        cpu = weight.device.type == "cpu"
+        self.lm_head_t = weight.t().contiguous() if cpu and weight.dtype == torch.float32 else None
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pad_single_row = cpu and weight.dtype == torch.bfloat16
 
     # -- weights --------------------------------------------------------------------------
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

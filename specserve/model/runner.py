@@ -28,6 +28,24 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 where the hardware multiplies it natively (CUDA; CPUs with AVX512-BF16
+    or AMX, where oneDNN's bfloat16 GEMM reads half the bytes of float32 and costs about the
+    same for 1 to 8 rows as for one, which is what speculation needs), float32 elsewhere."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -47,7 +65,7 @@ class ModelRunner:
                  cache_config: CacheConfig, max_model_len: int) -> None:
         self.arch = arch
         self.device = pick_device(model_config.device)
-        self.dtype = DTYPES[model_config.dtype]
+        self.dtype = pick_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         start = time.time()
@@ -60,14 +78,15 @@ class ModelRunner:
         self.model = model.to(self.dtype).eval()
         self.model.rotary.float()
         self.model.finalize_weights()
-        self.backend = get_attention_backend(self.device)
+        self.backend = get_attention_backend(self.device, self.dtype)
         self.num_blocks = cache_config.num_blocks or self._blocks_for(cache_config.kv_cache_memory_gb)
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(arch.num_layers)]
-        logger.info("model ready in %.1f s on %s; KV cache: %d blocks of %d tokens",
-                    time.time() - start, self.device, self.num_blocks, self.block_size)
+        logger.info("model ready in %.1f s on %s (%s, %s attention); KV cache: %d blocks of %d "
+                    "tokens", time.time() - start, self.device, str(self.dtype).split(".")[-1],
+                    type(self.backend).__name__, self.num_blocks, self.block_size)
 
     def _blocks_for(self, gigabytes: float) -> int:
         a = self.arch
@@ -97,7 +116,7 @@ class ModelRunner:
             positions = _tree_positions(positions, sched, tree_parents)
         meta = AttentionMetadata.build(seq_lens, list(sched.num_tokens),
                                        [r.block_ids for r in sched.requests], self.block_size,
-                                       self.device, self.backend.dense, tree_parents)
+                                       self.device, self.backend.layout, tree_parents)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, pos, self.kv_caches, meta, self.backend)

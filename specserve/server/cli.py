@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Any
 
-from specserve.config import DEFAULT_MODEL, EngineConfig, env_str
+from specserve.config import DEFAULT_MODEL, DTYPE_CHOICES, EngineConfig, env_str
 
 logger = logging.getLogger("specserve.server")
 
@@ -24,7 +24,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"model name or Hugging Face model directory (default {DEFAULT_MODEL})")
     g.add_argument("--served-model-name", default=None,
                    help="name clients use in `model` (default: the engine's model name)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
+                   help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--seed", type=int, default=0)

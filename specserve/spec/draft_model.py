@@ -154,7 +154,7 @@ class DraftModelProposer:
             last.append(len(ids) - 1)
         meta = AttentionMetadata.build([s + len(f) for s, f in zip(starts, feeds)],
                                        [len(f) for f in feeds], [r.block_ids for r in reqs],
-                                       runner.block_size, runner.device, runner.backend.dense)
+                                       runner.block_size, runner.device, runner.backend.layout)
         dev = runner.device
         hidden = runner.model(torch.tensor(ids, dtype=torch.int64, device=dev),
                               torch.tensor(positions, dtype=torch.int64, device=dev),

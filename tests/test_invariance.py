@@ -1,0 +1,115 @@
+"""Batch invariance of the CPU bfloat16 path (what makes speculation exactly lossless there).
+
+A token's hidden state must have the same bits whether it is decoded alone, verified behind
+other drafts, verified as a tree node, or computed beside other requests. These tests check
+the two pieces that carry that property, on the machine that runs the suite: the GEMMs
+(`Linear` with `pad_single_row`) and `InvariantAttention`.
+"""
+
+import pytest
+import torch
+
+from specserve.model.attention import AttentionMetadata, InvariantAttention
+from specserve.model.llama import Linear
+from specserve.model.runner import cpu_has_native_bf16
+
+pytestmark = pytest.mark.skipif(not cpu_has_native_bf16(),
+                                reason="this CPU has no native bfloat16 GEMM (auto picks float32)")
+
+BF16 = torch.bfloat16
+BLOCK = 16
+HKV, GROUP, D = 3, 3, 64
+
+
+@pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (576, 2048), (960, 576)])
+def test_linear_rows_do_not_depend_on_the_batch(shape):
+    torch.manual_seed(0)
+    layer = Linear(shape[1], shape[0], bias=False).to(BF16)
+    layer.pad_single_row = True
+    x = (torch.randn(24, shape[1]) * torch.rand(24, 1) * 3).to(BF16)
+    with torch.inference_mode():
+        full = layer(x)
+        for m in range(1, 24):
+            assert torch.equal(layer(x[:m]), full[:m]), m
+        for j in range(24):
+            assert torch.equal(layer(x[j:j + 1])[0], full[j]), j
+
+
+class _Cache:
+    """Random K/V for `length` context positions of a few requests, one block table each."""
+
+    def __init__(self, num_reqs: int, length: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.blocks_per_req = -(-length // BLOCK) + 2
+        n = num_reqs * self.blocks_per_req
+        self.k = torch.zeros(n, BLOCK, HKV, D, dtype=BF16)
+        self.v = torch.zeros_like(self.k)
+        self.tables = [list(range(r * self.blocks_per_req, (r + 1) * self.blocks_per_req))
+                       for r in range(num_reqs)]
+        self.keys = torch.randn(num_reqs, length, HKV, D, generator=gen).to(BF16)
+        self.vals = torch.randn(num_reqs, length, HKV, D, generator=gen).to(BF16)
+        self.queries = torch.randn(num_reqs, length, HKV * GROUP, D, generator=gen).to(BF16)
+
+    def run(self, reqs: list[tuple[int, int, int]], tree_parents=None, order=None) -> list[torch.Tensor]:
+        """reqs: (request, first position, new tokens); new tokens come from positions
+        order[r] (default: consecutive). Returns each request's attention output."""
+        q, k, v, seq, qlen, tables = [], [], [], [], [], []
+        for i, (r, start, n) in enumerate(reqs):
+            src = order[i] if order and order[i] is not None else list(range(start, start + n))
+            q.append(self.queries[r, src])
+            k.append(self.keys[r, src])
+            v.append(self.vals[r, src])
+            flat_k = self.k.view(-1, HKV, D)
+            flat_v = self.v.view(-1, HKV, D)
+            for p in range(start):  # context before the new tokens, written at its positions
+                slot = self.tables[r][p // BLOCK] * BLOCK + p % BLOCK
+                flat_k[slot], flat_v[slot] = self.keys[r, p], self.vals[r, p]
+            seq.append(start + n)
+            qlen.append(n)
+            tables.append(self.tables[r])
+        meta = AttentionMetadata.build(seq, qlen, tables, BLOCK, torch.device("cpu"), "logical",
+                                       tree_parents)
+        with torch.inference_mode():
+            out = InvariantAttention()(torch.cat(q), torch.cat(k), torch.cat(v), self.k, self.v,
+                                       meta, D ** -0.5)
+        return list(out.split(qlen))
+
+
+@pytest.mark.parametrize("prefix", [5, 63, 64, 200, 700])
+def test_verify_rows_equal_single_decodes(prefix):
+    cache = _Cache(num_reqs=3, length=max(prefix + 8, 48), seed=prefix)
+    decodes = [cache.run([(0, prefix + i, 1)])[0][0] for i in range(6)]
+    verify = cache.run([(0, prefix, 6)])[0]
+    for i in range(6):
+        assert torch.equal(verify[i], decodes[i]), i
+    # the same rows beside other requests: a long prefill chunk and another decode
+    mixed = cache.run([(1, 0, 40), (0, prefix, 6), (2, prefix + 7, 1)])[1]
+    assert torch.equal(mixed, verify)
+
+
+def test_tree_nodes_equal_decoding_their_path():
+    prefix = 90
+    #        0
+    #      /   \
+    #     1     2
+    #    / \     \
+    #   3   4     5
+    #   |
+    #   6
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    paths = [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 2, 5], [0, 1, 3, 6]]
+    cache = _Cache(num_reqs=2, length=prefix + 16, seed=1)
+    # node j's q/k/v are taken from source position prefix + j
+    tree = cache.run([(1, 30, 1), (0, prefix, len(parents))], tree_parents=[None, parents],
+                     order=[None, [prefix + j for j in range(len(parents))]])[1]
+    for node, path in enumerate(paths):
+        # plain decoding would have written the path's tokens at consecutive positions
+        chain = _Cache(num_reqs=1, length=prefix + len(path), seed=1)
+        chain.keys[0, :prefix] = cache.keys[0, :prefix]
+        chain.vals[0, :prefix] = cache.vals[0, :prefix]
+        for depth, j in enumerate(path):
+            chain.keys[0, prefix + depth] = cache.keys[0, prefix + j]
+            chain.vals[0, prefix + depth] = cache.vals[0, prefix + j]
+            chain.queries[0, prefix + depth] = cache.queries[0, prefix + j]
+        decode = chain.run([(0, prefix + len(path) - 1, 1)])[0][0]
+        assert torch.equal(tree[node], decode), node
