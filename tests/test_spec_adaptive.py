@@ -41,3 +41,22 @@ def test_verify_cost_is_learned():
     ctl.observe_target_step(0.5, 4, 8, 12)  # another batch size: no plain time known yet
     assert abs(ctl.verify_cost - 0.7) < 0.02
     assert ctl.enabled and AdaptiveLength(5, enabled=False).num_drafts(None) == 5
+
+
+def test_tree_gate_pauses_a_request_whose_trees_do_not_pay_and_probes_again():
+    from specserve.spec.adaptive import TreeGate
+
+    gate = TreeGate(prior_cost=1.3, probe_interval=4)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=8), set(), 0)
+    assert gate.active(req)  # optimistic start
+    for _ in range(10):
+        gate.observe(req, 1)  # every tree rejected: one token per (costlier) step
+    assert [gate.active(req) for _ in range(4)] == [False, False, False, True]  # then a probe
+    for _ in range(10):
+        gate.observe(req, 4)
+    assert gate.active(req)
+    # the cost is learned from step times: trees twice as slow as plain steps
+    gate.observe_step(0.02, 1, False)
+    gate.observe_step(0.04, 1, True)
+    assert gate.cost == 2.0
+    assert TreeGate(enabled=False).active(req)

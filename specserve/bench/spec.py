@@ -45,7 +45,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--eagle", nargs="?", const="default", default=None, metavar="HEAD_DIR",
                         help="also run method eagle (the shipped head for the default model, "
                              "or HEAD_DIR)")
-    parser.add_argument("--eagle-drafts", type=int, default=16,
+    parser.add_argument("--eagle-drafts", type=int, default=8,
                         help="eagle: draft tree size m (num_speculative_tokens)")
     parser.add_argument("--medusa", default=None, metavar="HEADS_DIR",
                         help="also run method medusa with these heads")

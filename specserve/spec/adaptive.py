@@ -104,3 +104,59 @@ def best_length(alpha: float, max_drafts: int, cost_per_draft: float, overhead: 
         if rate > best_rate * 1.02:  # ties go to the shorter draft
             best, best_rate = k, rate
     return best
+
+
+@dataclass
+class _TreeState:
+    tokens: float  # tokens emitted per tree step (EMA)
+    idle_steps: int = 0
+
+
+class TreeGate:
+    """Per-request on/off switch for tree speculation (EAGLE, Medusa).
+
+    A tree step costs `cost` plain decode steps (drafting with the head plus the wider target
+    forward); it pays when the tokens it emits per step (an EMA per request) exceed that.
+    `cost` starts at `prior_cost` and is learned from step times: decode-only steps with and
+    without trees, per batch size. A request whose trees do not pay stops drafting and probes
+    again after `probe_interval` plain steps (its head keeps reading the target's features, so
+    a probe drafts from the current position at once).
+    """
+
+    def __init__(self, enabled: bool = True, prior_cost: float = 1.3, decay: float = 0.7,
+                 probe_interval: int = 16) -> None:
+        self.enabled = enabled
+        self.cost = prior_cost
+        self.decay = decay
+        self.probe_interval = probe_interval
+        self._step_s: dict[tuple[int, bool], float] = {}  # (batch size, any tree) -> seconds
+        self._req: weakref.WeakKeyDictionary[Request, _TreeState] = weakref.WeakKeyDictionary()
+
+    def _state(self, req: Request) -> _TreeState:
+        return self._req.setdefault(req, _TreeState(tokens=2 * self.cost))  # optimistic start
+
+    def observe(self, req: Request, emitted: int) -> None:
+        s = self._state(req)
+        s.tokens = self.decay * s.tokens + (1 - self.decay) * emitted
+
+    def observe_step(self, seconds: float, num_requests: int, with_trees: bool) -> None:
+        key = (num_requests, with_trees)
+        old = self._step_s.get(key)
+        self._step_s[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        plain, tree = self._step_s.get((num_requests, False)), self._step_s.get((num_requests, True))
+        if plain and tree:
+            self.cost = min(4.0, max(1.0, tree / plain))
+
+    def active(self, req: Request) -> bool:
+        if not self.enabled:
+            return True
+        s = self._state(req)
+        if s.tokens > self.cost:
+            s.idle_steps = 0
+            return True
+        s.idle_steps += 1
+        if s.idle_steps >= self.probe_interval:
+            s.idle_steps = 0
+            s.tokens = self.cost * 1.05  # one probe: its result decides what comes next
+            return True
+        return False

@@ -16,6 +16,8 @@ Noise is a pure function of (request seed, position, column), as in the plain sa
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specserve.config import SpecConfig
@@ -29,6 +31,7 @@ from specserve.sampler import (
     uniform_noise,
 )
 from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.spec.adaptive import TreeGate
 from specserve.spec.draft_tree import DraftTree
 from specserve.spec.step import SpecDecoder, StepResult
 from specserve.spec.tree import children_lists, compaction_slots, verify_tree
@@ -45,8 +48,8 @@ def make_tree_proposer(config: SpecConfig, engine):
         if config.model is None and canonical_alias(engine.config.model.model) != DEFAULT_MODEL:
             raise ValueError("speculative_config.model: the shipped EAGLE head is for the default "
                              "model; name a head trained for this target")
-        return EagleProposer(model, config.model, m, depth=config.depth or min(5, m),
-                             topk=config.topk or 4, max_positions=engine.max_model_len + 64)
+        return EagleProposer(model, config.model, m, depth=config.depth or min(4, m),
+                             topk=config.topk or 2, max_positions=engine.max_model_len + 64)
     if config.method == "medusa":
         from specserve.spec.medusa import MedusaProposer
 
@@ -65,6 +68,9 @@ class TreeSpecDecoder(SpecDecoder):
         self._seen: set[str] = set()  # requests the proposer holds state for
         self._hidden: torch.Tensor | None = None  # [T, hidden]: the last target forward, all tokens
         engine.runner.model.register_forward_hook(self._keep_hidden)
+        self.gate = TreeGate(config.extra.get("adaptive", True))
+        self._propose_end = 0.0
+        self._propose_s = 0.0
 
     def _keep_hidden(self, module, args, out) -> None:
         self._hidden = out
@@ -80,6 +86,11 @@ class TreeSpecDecoder(SpecDecoder):
 
     # -- verification -----------------------------------------------------------------------
     def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:
+        if self._propose_end and sched.total_tokens == len(sched) + sum(sched.num_drafts):
+            # a decode-only step: its cost is the target forward plus the drafting before it
+            trees = any(sched.num_drafts)
+            seconds = time.perf_counter() - self._propose_end + (self._propose_s if trees else 0.0)
+            self.gate.observe_step(seconds, len(sched), trees)
         results: list[StepResult] = []
         off = 0
         for req, n, k, row in zip(sched.requests, sched.num_tokens, sched.num_drafts, step.row_start):
@@ -130,6 +141,8 @@ class TreeSpecDecoder(SpecDecoder):
         self.proposer.observe(req, start, hidden[list(range(num_before)) + [num_before + r for r in rows]])
         self._seen.add(req.request_id)
         self._count(req, k, len(verdict.path))
+        if k:
+            self.gate.observe(req, len(verdict.path) + 1)
         tokens = verdict.tokens
         if req.params.logprobs is None:
             return tokens, None
@@ -144,6 +157,7 @@ class TreeSpecDecoder(SpecDecoder):
 
     # -- drafting ---------------------------------------------------------------------------
     def propose(self, running: list[Request]) -> None:
+        start = time.perf_counter()
         live = self.engine.requests
         for rid in [r for r in self._seen if r not in live]:  # finished or aborted
             self._seen.discard(rid)
@@ -156,7 +170,7 @@ class TreeSpecDecoder(SpecDecoder):
                 continue
             room = min(req.max_tokens - req.num_output_tokens, max_len - req.num_tokens) - 1
             k = min(self.max_drafts, room)
-            if k > 0:
+            if k > 0 and self.gate.active(req):
                 reqs.append(req)
                 ks.append(k)
         for req, tree in zip(reqs, self.proposer.propose(reqs, ks) if reqs else []):
@@ -165,3 +179,5 @@ class TreeSpecDecoder(SpecDecoder):
             self.trees[req.request_id] = tree
             req.spec_token_ids = list(tree.tokens)
             req.spec_draft_probs = None
+        self._propose_end = time.perf_counter()
+        self._propose_s = self._propose_end - start
