@@ -31,6 +31,9 @@ import torch.nn.functional as F
 from specserve.config import env_str
 
 
+KEY_CHUNK = 64  # InvariantAttention's reduction chunk over key positions
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
@@ -102,10 +105,12 @@ class AttentionMetadata:
 
 
 def _gather_layout(meta: AttentionMetadata, table: np.ndarray, seq: np.ndarray,
-                   req_of_token: np.ndarray, qsl: np.ndarray, block_size: int, as_t) -> np.ndarray:
-    """gather_slots and query_dest of the padded [B, L] / [B*Q] layout; returns the context range."""
-    max_q, max_l = meta.max_query_len, meta.max_seq_len
-    ctx = np.arange(max_l)
+                   req_of_token: np.ndarray, qsl: np.ndarray, block_size: int, as_t,
+                   length: int | None = None) -> np.ndarray:
+    """gather_slots ([B, length], default length max_seq_len) and query_dest of the padded
+    [B*Q] layout; returns the context range."""
+    max_q = meta.max_query_len
+    ctx = np.arange(length or meta.max_seq_len)
     blocks = table.shape[1]
     gather = table[:, np.minimum(ctx // block_size, blocks - 1)] * block_size + ctx % block_size
     gather = np.where(ctx[None, :] < seq[:, None], gather, 0)
@@ -115,8 +120,10 @@ def _gather_layout(meta: AttentionMetadata, table: np.ndarray, seq: np.ndarray,
 
 
 def _logical_layout(meta, table, seq, qlen, req_of_token, qsl, block_size, tree_parents, as_t):
-    ctx = _gather_layout(meta, table, seq, req_of_token, qsl, block_size, as_t)
-    num_reqs, max_q, max_l = len(seq), meta.max_query_len, meta.max_seq_len
+    # keys padded to whole chunks here, so the backend never copies K/V to pad them
+    max_l = -(-meta.max_seq_len // KEY_CHUNK) * KEY_CHUNK
+    ctx = _gather_layout(meta, table, seq, req_of_token, qsl, block_size, as_t, max_l)
+    num_reqs, max_q = len(seq), meta.max_query_len
     prefix = seq - qlen
     q_pos = prefix[:, None] + np.arange(max_q)[None, :]  # [B, Q] position of each query row
     trees = [(b, p) for b, p in enumerate(tree_parents or []) if p is not None]
@@ -131,8 +138,7 @@ def _logical_layout(meta, table, seq, qlen, req_of_token, qsl, block_size, tree_
         meta.logical_start = int(min(prefix[b] for b, _ in trees))
     valid = np.arange(max_q)[None, :] < qlen[:, None]
     q_pos = np.where(valid, q_pos, 0)  # padded query rows see key 0 only: softmax stays finite
-    if max_q > 1 or trees or (seq != max_l).any():
-        meta.dense_mask = as_t(ctx[None, None, :] <= q_pos[:, :, None], torch.bool).unsqueeze(1)
+    meta.dense_mask = as_t(ctx[None, None, :] <= q_pos[:, :, None], torch.bool).unsqueeze(1)
 
 
 def _root_paths(parents: list[int]) -> list[list[int]]:
@@ -218,7 +224,7 @@ class InvariantAttention:
     """
 
     layout = "logical"
-    CHUNK = 64
+    CHUNK = KEY_CHUNK
     MAX_SCORES = 1 << 24  # score elements per block of query rows (bounds prefill memory)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
