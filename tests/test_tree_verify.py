@@ -131,7 +131,10 @@ def test_compaction_moves_the_accepted_path():
     # tree of 6 drafts at root position 13 over blocks [5, 2, 7] of 8 slots: path nodes 1 -> 3 -> 5
     block_ids, bs, start, path = [5, 2, 7], 8, 13, [1, 3, 5]
     src, dst = compaction_slots(block_ids, bs, start, path)
-    slot = lambda pos: block_ids[pos // bs] * bs + pos % bs
+
+    def slot(pos):
+        return block_ids[pos // bs] * bs + pos % bs
+
     assert src.tolist() == [slot(start + 2), slot(start + 4), slot(start + 6)]
     assert dst.tolist() == [slot(start + 1), slot(start + 2), slot(start + 3)]
     cache = torch.arange(8 * bs, dtype=torch.float32).view(8, bs, 1, 1).repeat(1, 1, 1, 2)

@@ -63,7 +63,6 @@ def _ours(llm, prompts: list[str], max_tokens: int) -> tuple[int, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -94,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         totals["hf_batch"] = list(_hf_generate(hf, tok, many, args.max_tokens))
     rates = {k: n / dt for k, (n, dt) in totals.items()}
     result = {
-        "date": time.strftime("%Y-%m-%d"), "model": llm.engine.model_name, "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
+        "date": time.strftime("%Y-%m-%d"), "model": llm.engine.model_name,
+        "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
         "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
         "concurrency": args.concurrency, "tokens_per_s": rates,
         "ratio_batch1": rates["ours_b1"] / rates["hf_b1"],

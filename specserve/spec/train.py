@@ -120,7 +120,9 @@ def _medusa_loss(heads, batch, lm_sub, t2d, noise: float):
         lab = torch.where(lab >= 0, t2d[lab.clamp_min(0)], -1)
         loss = F.cross_entropy(logits[k], lab, ignore_index=-1)
         total = total + loss * (0.8 ** k)
-        stats[f"acc{k}"] = ((logits[k].argmax(-1) == lab) & (lab >= 0)).float().sum().item() / max(1, (lab >= 0).sum().item())
+        labelled = lab >= 0
+        hits = ((logits[k].argmax(-1) == lab) & labelled).float().sum().item()
+        stats[f"acc{k}"] = hits / max(1, labelled.sum().item())
     return total, stats
 
 
