@@ -193,7 +193,7 @@ class TorchAttention:
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
         queries, keys, values, group = _gather_dense(q, k, v, k_cache, v_cache, meta)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_group_rows(meta, group),
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_per_group(meta, "dense_mask", group),
                                              scale=scale)
         return _scatter_dense(out, meta, group, q.shape[0])
 
@@ -230,29 +230,16 @@ class InvariantAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
+        # the "logical" layout gathers keys pre-padded to whole chunks, always with a mask
         queries, keys, values, group = _gather_dense(q, k, v, k_cache, v_cache, meta)
-        c = self.CHUNK
-        length = keys.shape[2]
-        padded = -(-length // c) * c
-        if padded != length:
-            keys = F.pad(keys, (0, 0, 0, padded - length))
-            values = F.pad(values, (0, 0, 0, padded - length))
-        mask = _group_rows(meta, group)
-        index = _group_index(meta, group)
-        if padded != length:  # the padding keys must get no weight
-            if mask is None:
-                mask = (torch.arange(padded, device=keys.device) < length).view(1, 1, 1, padded)
-            else:
-                mask = F.pad(mask, (0, padded - length))
-        if index is not None and padded != length:
-            index = F.pad(index, (0, padded - length))
-        rows = queries.shape[2]
-        step = max(1, self.MAX_SCORES // max(1, queries.shape[0] * queries.shape[1] * padded))
+        mask = _per_group(meta, "dense_mask", group)
+        index = _per_group(meta, "logical_index", group)
+        rows, length = queries.shape[2], keys.shape[2]
+        step = max(1, self.MAX_SCORES // (queries.shape[0] * queries.shape[1] * length))
         outs = []
         for r in range(0, rows, step):
             sl = slice(r, min(rows, r + step))
-            outs.append(self._rows(queries[:, :, sl], keys, values,
-                                   mask if mask is None or mask.shape[2] == 1 else mask[:, :, sl],
+            outs.append(self._rows(queries[:, :, sl], keys, values, mask[:, :, sl],
                                    None if index is None else index[:, :, sl],
                                    meta.logical_start, scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -265,8 +252,7 @@ class InvariantAttention:
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, H, M, L]
         if index is not None:
             scores = scores.gather(-1, index.expand(b, h, m, -1))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(queries.dtype)
         shared = n if index is None else logical_start // c  # chunks in dense (= logical) order
         parts = []
@@ -317,26 +303,18 @@ def _scatter_dense(out: torch.Tensor, meta: AttentionMetadata, group: int, total
     return out.index_select(0, meta.query_dest) if total != num_reqs * max_q else out
 
 
-def _group_rows(meta: AttentionMetadata, group: int) -> torch.Tensor | None:
-    """The [B, 1, Q, L] mask repeated for the G folded query heads: [B, 1, G*Q, L]."""
-    if meta.dense_mask is None:
+def _per_group(meta: AttentionMetadata, name: str, group: int) -> torch.Tensor | None:
+    """A per-query-row field of the step (dense_mask [B, 1, Q, L], logical_index [B, Q, L])
+    repeated for the G folded query heads: [B, 1, G*Q, L]. Built once per step, every layer
+    reuses it."""
+    value = getattr(meta, name)
+    if value is None:
         return None
-    cached = getattr(meta, "_group_mask", None)
-    if cached is None or cached[0] != group:
-        cached = (group, meta.dense_mask.repeat(1, 1, group, 1))
-        meta._group_mask = cached
-    return cached[1]
-
-
-def _group_index(meta: AttentionMetadata, group: int) -> torch.Tensor | None:
-    """logical_index [B, Q, L] as [B, 1, G*Q, L], cached per step."""
-    if meta.logical_index is None:
-        return None
-    cached = getattr(meta, "_group_index", None)
-    if cached is None or cached[0] != group:
-        cached = (group, meta.logical_index.unsqueeze(1).repeat(1, 1, group, 1))
-        meta._group_index = cached
-    return cached[1]
+    cache = meta.__dict__.setdefault("_per_group", {})
+    if (name, group) not in cache:
+        rows = value if value.dim() == 4 else value.unsqueeze(1)
+        cache[(name, group)] = rows.repeat(1, 1, group, 1)
+    return cache[(name, group)]
 
 
 class TritonAttention:
