@@ -201,6 +201,7 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method):
         write_medusa(tmp_path / "head", arch)
         prop = MedusaProposer(engine.runner.model, tmp_path / "head")
     engine.spec = TreeSpecDecoder(SpecConfig(method=method, num_speculative_tokens=10), engine, prop)
+    engine.spec.gate.enabled = False  # a random head's trees never pay: keep verifying them
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]  # prefix-cache hits now
     assert got == ref
     assert engine.stats.spec_num_drafts > 0
@@ -208,3 +209,17 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method):
     assert all(len(o.outputs[0].token_ids) == 20 for o in sampled)
     assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
     assert not engine.spec.trees and not engine.spec._seen
+
+
+def test_tree_config_keys_reach_the_proposer(tmp_path):
+    from specserve.config import SpecConfig
+    from specserve.spec.tree_decoder import make_tree_proposer
+
+    engine = tiny_llm(tmp_path).engine
+    write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
+    prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"),
+                                         num_speculative_tokens=6, depth=3, topk=5), engine)
+    assert (prop.m, prop.depth, prop.topk) == (6, 3, 5)
+    prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"),
+                                         num_speculative_tokens=6), engine)
+    assert (prop.depth, prop.topk) == (4, 2)  # the defaults

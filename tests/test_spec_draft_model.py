@@ -110,6 +110,8 @@ def test_config_errors(make_llm, tiny_pair, tmp_path, default_model_dir):
         ({"method": "draft_model"}, "needs a draft model"),
         ({"method": "draft_model", "model": str(small_vocab)}, "vocabulary"),
         ('{"method": "ngram", "num_speculative_tokens": ', "not valid JSON"),
+        ({"method": "eagle", "depth": 0}, "depth: must be an integer"),
+        ({"method": "eagle", "topk": "2"}, "topk: must be an integer"),
     ]
     for config, message in cases:
         with pytest.raises(ValueError, match=message):

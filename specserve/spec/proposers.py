@@ -53,6 +53,10 @@ def validate_spec_config(config: SpecConfig) -> None:
     if config.method == "draft_model" and not config.model:
         raise ValueError("speculative_config.model: method 'draft_model' needs a draft model "
                          "(a model directory, a .gguf file or an alias)")
+    for key in ("depth", "topk"):
+        value = getattr(config, key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"speculative_config.{key}: must be an integer >= 1, got {value!r}")
     if not isinstance(config.extra.get("adaptive", True), bool):
         raise ValueError("speculative_config.adaptive: must be true or false")
     unknown = sorted(set(config.extra) - OWN_KEYS)

@@ -69,7 +69,7 @@ def verify_tree(target: torch.Tensor, tree: DraftTree, greedy: bool,
     if uniforms is None:
         uniforms = torch.rand(max(n, 1), generator=generator)
     if exp_noise is None:
-        exp_noise = torch.empty(n + 1, vocab).exponential_(generator=generator)
+        exp_noise = torch.empty(n + 1, vocab).exponential_(generator=generator).to(target.device)
     u = uniforms.tolist()
     path, row = [], 0
     while True:
@@ -84,7 +84,11 @@ def verify_tree(target: torch.Tensor, tree: DraftTree, greedy: bool,
                 break
             if rule == "naive_resample":
                 continue
-            resid = (p - q).clamp_min(0.0) if q is not None else p.clone().index_fill_(0, torch.tensor([x]), 0.0)
+            if q is not None:
+                resid = (p - q).clamp_min(0.0)
+            else:  # one-hot q: drop x (a scalar write, on whatever device p lives)
+                resid = p.clone()
+                resid[x] = 0.0
             total = resid.sum()
             if total > 0:  # total == 0 only when p <= q everywhere, where rejection has probability 0
                 p = resid / total

@@ -48,8 +48,8 @@ def make_tree_proposer(config: SpecConfig, engine):
         if config.model is None and canonical_alias(engine.config.model.model) != DEFAULT_MODEL:
             raise ValueError("speculative_config.model: the shipped EAGLE head is for the default "
                              "model; name a head trained for this target")
-        return EagleProposer(model, config.model, m, depth=config.depth or min(4, m),
-                             topk=config.topk or 2, max_positions=engine.max_model_len + 64)
+        return EagleProposer(model, config.model, m, depth=min(4, m) if config.depth is None else config.depth,
+                             topk=2 if config.topk is None else config.topk, max_positions=engine.max_model_len + 64)
     if config.method == "medusa":
         from specserve.spec.medusa import MedusaProposer
 
@@ -123,10 +123,12 @@ class TreeSpecDecoder(SpecDecoder):
             width = max(len(c) for c in kids)
             u = uniform_noise(batch.seeds, batch.positions, self.vocab_size + width)
             noise = -torch.log(u[:, :self.vocab_size]).float()
-            uniforms = torch.zeros(max(k, 1))
+            child_u = u[:, self.vocab_size:].tolist()  # one transfer, not one per node
+            flat = [0.0] * max(k, 1)
             for r, cs in enumerate(kids):
                 for j, c in enumerate(cs):
-                    uniforms[c] = float(u[r, self.vocab_size + j])
+                    flat[c] = child_u[r][j]
+            uniforms = torch.tensor(flat)
         verdict = verify_tree(target, tree, greedy, uniforms, noise)
         if verdict.path != list(range(len(verdict.path))):  # accepted nodes are not a prefix
             src, dst = compaction_slots(req.block_ids, self.engine.kv.block_size,
