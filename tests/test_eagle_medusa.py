@@ -184,7 +184,9 @@ def tiny_llm(tmp_path: Path):
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
-def test_tree_spec_decoder_in_the_engine(tmp_path, method):
+def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
+    import logging
+
     from specserve.config import SpecConfig
     from specserve.spec.tree_decoder import TreeSpecDecoder
 
@@ -202,7 +204,10 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method):
         prop = MedusaProposer(engine.runner.model, tmp_path / "head")
     engine.spec = TreeSpecDecoder(SpecConfig(method=method, num_speculative_tokens=10), engine, prop)
     engine.spec.gate.enabled = False  # a random head's trees never pay: keep verifying them
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]  # prefix-cache hits now
+    engine.spec.log_interval = 0.0
+    with caplog.at_level(logging.INFO, logger="specserve.spec"):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]  # prefix-cache hits now
+    assert "acceptance" in caplog.text.lower()  # the periodic acceptance line
     assert got == ref
     assert engine.stats.spec_num_drafts > 0
     sampled = llm.generate(prompts, SamplingParams(temperature=0.9, max_tokens=20, seed=7, ignore_eos=True))

@@ -16,7 +16,6 @@ figures every `log_interval` seconds on the "specserve.spec" logger.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
@@ -85,8 +84,6 @@ def make_spec_decoder(config: SpecConfig, engine) -> SpecDecoder:
 class ChainSpecDecoder(SpecDecoder):
     """Speculation with one chain per request, drawn by `proposer`."""
 
-    log_interval = 5.0
-
     def __init__(self, config: SpecConfig, engine, proposer: Proposer) -> None:
         super().__init__(config, engine)
         self.proposer = proposer
@@ -94,8 +91,6 @@ class ChainSpecDecoder(SpecDecoder):
         self.adaptive = AdaptiveLength(self.max_drafts, config.extra.get("adaptive", True),
                                        float(config.extra.get("verify_cost", 0.1)))
         self._propose_end = 0.0
-        self._last_log = time.monotonic()
-        self._last_stats = None
 
     def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:
         if self._propose_end:
@@ -133,16 +128,3 @@ class ChainSpecDecoder(SpecDecoder):
                 req.spec_draft_probs = tree.probs
         self._propose_end = time.perf_counter()
         self._maybe_log()
-
-    def _maybe_log(self) -> None:
-        now = time.monotonic()
-        if now - self._last_log < self.log_interval:
-            return
-        stats = self.engine._stats
-        prev = self._last_stats
-        if stats.spec_num_drafts == (prev.spec_num_drafts if prev else 0):
-            return
-        from specserve.metrics import format_spec_log
-
-        logger.info(format_spec_log(stats, prev))
-        self._last_log, self._last_stats = now, copy.deepcopy(stats)

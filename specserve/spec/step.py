@@ -12,6 +12,10 @@
 
 from __future__ import annotations
 
+import copy
+import logging
+import time
+
 import torch
 
 from specserve.config import SpecConfig
@@ -22,17 +26,21 @@ from specserve.sampler import (SamplingBatch, apply_penalties, exponential_noise
 from specserve.scheduler.scheduler import SchedulerOutput
 
 StepResult = tuple[list[int], list[TokenLogprob] | None] | None
+logger = logging.getLogger("specserve.spec")
 
 
 class SpecDecoder:
     """No speculation: every caught-up request gets one sampled token per step."""
 
     max_drafts = 0
+    log_interval = 5.0  # seconds between acceptance log lines of speculating decoders
 
     def __init__(self, config: SpecConfig, engine) -> None:
         self.config = config
         self.engine = engine
         self.vocab_size = engine.arch.vocab_size
+        self._last_log = time.monotonic()
+        self._last_stats = None
 
     @staticmethod
     def create(config: SpecConfig, engine) -> "SpecDecoder":
@@ -47,6 +55,21 @@ class SpecDecoder:
 
     def propose(self, running: list[Request]) -> None:
         return None
+
+    def _maybe_log(self) -> None:
+        """Speculating decoders call this after proposing: mean acceptance length and
+        per-position rates since the last line, every `log_interval` seconds."""
+        now = time.monotonic()
+        if now - self._last_log < self.log_interval:
+            return
+        stats = self.engine._stats
+        prev = self._last_stats
+        if stats.spec_num_drafts == (prev.spec_num_drafts if prev else 0):
+            return
+        from specserve.metrics import format_spec_log
+
+        logger.info(format_spec_log(stats, prev))
+        self._last_log, self._last_stats = now, copy.deepcopy(stats)
 
     # -- sampling and verification ---------------------------------------------------------------
     def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:

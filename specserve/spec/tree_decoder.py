@@ -183,3 +183,4 @@ class TreeSpecDecoder(SpecDecoder):
             req.spec_draft_probs = None
         self._propose_end = time.perf_counter()
         self._propose_s = self._propose_end - start
+        self._maybe_log()
