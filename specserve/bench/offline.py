@@ -16,6 +16,8 @@ import json
 import time
 from pathlib import Path
 
+from specserve.config import DTYPE_CHOICES
+
 PROMPTS = [
     "Explain why the sky is blue in two sentences.",
     "Write a short poem about autumn leaves.",
@@ -33,7 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=4, help="prompts for the batch-1 runs")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                    help="both engines (auto: as `specserve serve` picks)")
     p.add_argument("--no-hf-batch", action="store_true", help="skip transformers' padded batch")
     p.add_argument("--out", default="bench_out/offline")

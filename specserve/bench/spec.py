@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from specserve.config import DTYPE_CHOICES
 
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -45,20 +48,21 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--eagle", nargs="?", const="default", default=None, metavar="HEAD_DIR",
                         help="also run method eagle (the shipped head for the default model, "
                              "or HEAD_DIR)")
-    parser.add_argument("--eagle-drafts", type=int, default=8,
-                        help="eagle: draft tree size m (num_speculative_tokens)")
+    parser.add_argument("--tree-drafts", "--eagle-drafts", dest="tree_drafts", type=int, default=8,
+                        help="eagle and medusa: draft tree size m (num_speculative_tokens)")
     parser.add_argument("--medusa", default=None, metavar="HEADS_DIR",
                         help="also run method medusa with these heads")
     parser.add_argument("--category", action="append", choices=CATEGORIES, default=None,
                         help="categories to run (repeatable; default: all)")
     parser.add_argument("--limit", type=int, default=5, help="prompts per category")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--num-speculative-tokens", type=int, default=5,
+                        help="ngram and draft_model: draft length k")
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--no-adaptive", action="store_true", help="fixed draft length")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                         help="weights and activations of every engine")
     parser.add_argument("--out", default="bench_out/spec", help="directory for JSON and PNG")
     return parser
@@ -73,7 +77,6 @@ class Tally:
     drafts: int = 0
     accepted: int = 0
     mismatches: int = 0
-    per_prompt: list[float] = field(default_factory=list)  # tokens/s per prompt
 
     @property
     def tps(self) -> float:
@@ -106,15 +109,15 @@ def run(args: argparse.Namespace) -> dict:
         engines["draft_model"] = LLM(args.model, **common_engine,
                                      speculative_config={"method": "draft_model",
                                                          "model": args.draft_model, **common})
+    tree = {"num_speculative_tokens": args.tree_drafts, "adaptive": not args.no_adaptive}
     if args.eagle:
-        eagle = {"method": "eagle", "num_speculative_tokens": args.eagle_drafts}
+        eagle = {"method": "eagle", **tree}
         if args.eagle != "default":
             eagle["model"] = args.eagle
-        engines["eagle"] = LLM(args.model, **common_engine,
-                               speculative_config=eagle)
+        engines["eagle"] = LLM(args.model, **common_engine, speculative_config=eagle)
     if args.medusa:
         engines["medusa"] = LLM(args.model, **common_engine,
-                                speculative_config={"method": "medusa", "model": args.medusa})
+                                speculative_config={"method": "medusa", "model": args.medusa, **tree})
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tallies = {c: {m: Tally() for m in engines} for c in categories}
     for cat, turn in tqdm(prompts, desc="spec bench", unit="prompt"):
@@ -133,7 +136,6 @@ def run(args: argparse.Namespace) -> dict:
             t.seconds += elapsed
             t.decode_tokens += len(out.token_ids) - 1
             t.decode_seconds += result.finished_time - result.first_token_time
-            t.per_prompt.append(len(out.token_ids) / elapsed)
             t.drafts += stats.spec_num_drafts - d0
             t.accepted += stats.spec_num_accepted_tokens - a0
             if reference is None:
@@ -141,6 +143,7 @@ def run(args: argparse.Namespace) -> dict:
             elif out.token_ids != reference:
                 t.mismatches += 1
     result = _summarise(args, tallies, list(engines))
+    result["dtype"] = str(engines["none"].engine.runner.dtype).removeprefix("torch.")  # what auto chose
     _print_table(result)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -169,7 +172,7 @@ def _summarise(args, tallies, methods) -> dict:
         sec = sum(tallies[c][m].decode_seconds for c in tallies)
         totals[m] = tok / sec if sec else 0.0
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} "
-            f"{platform.processor() or ''} ({__import__('os').cpu_count()} cpus)".strip(),
+            f"{platform.processor() or ''} ({os.cpu_count()} cpus)".strip(),
             "config": {k: v for k, v in vars(args).items() if k != "func"},
             "rows": rows,
             "overall": {m: {"decode_tokens_per_s": round(v, 2),
