@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train-draft":
             from specserve.spec import train
 
-            rc = train.run(args)
-            return rc if isinstance(rc, int) else 0
+            train.run(args)
+            return 0
         if getattr(args, "_missing", None):
             print(f"specserve bench {args.bench}: unavailable ({args._missing})", file=sys.stderr)
             return 2

@@ -19,16 +19,20 @@ import math
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+from specserve.config import DEFAULT_MODEL
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that use it: the CLI builds this parser for every
+# command, and `specserve --help` should not pay for importing torch.
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=["eagle", "medusa"], default="eagle")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="target model (alias, dir or .gguf)")
+    p.add_argument("--target", default=DEFAULT_MODEL, help="target model (alias, dir or .gguf)")
     p.add_argument("--out", required=True, help="output directory of the trained head")
     p.add_argument("--work-dir", default=None, help="data and checkpoints (default: OUT/../.OUTNAME-work)")
     p.add_argument("--resume", action="store_true", help="continue from the work dir's checkpoint")
@@ -62,6 +66,8 @@ def _target_weights(target: str):
 
 def build_draft_vocab(seqs: list[dict], n: int, vocab: int) -> torch.Tensor | None:
     """The n most frequent answer tokens, ascending ids (None: the full vocabulary)."""
+    import torch
+
     if n <= 0 or n >= vocab:
         return None
     counts = Counter()
@@ -74,6 +80,8 @@ def build_draft_vocab(seqs: list[dict], n: int, vocab: int) -> torch.Tensor | No
 
 def _batch(seqs: list[dict], embed: torch.Tensor):
     """Pairs (f_t, x_{t+1}) -> targets f_{t+1}, next tokens x_{t+2}; padded to the longest."""
+    import torch
+
     lens = [s["hidden"].shape[0] - 1 for s in seqs]
     T, B, H = max(lens), len(seqs), embed.shape[1]
     feats = torch.zeros(B, T, H)
@@ -93,6 +101,9 @@ def _batch(seqs: list[dict], embed: torch.Tensor):
 
 
 def _eagle_loss(head, batch, lm_sub, t2d, noise: float):
+    import torch
+    import torch.nn.functional as F
+
     feats, embeds, target, nxt, mask = batch
     feats = feats + (torch.rand_like(feats) - 0.5) * noise
     pos = torch.arange(feats.shape[1])
@@ -108,6 +119,9 @@ def _eagle_loss(head, batch, lm_sub, t2d, noise: float):
 
 
 def _medusa_loss(heads, batch, lm_sub, t2d, noise: float):
+    import torch
+    import torch.nn.functional as F
+
     feats, _, _, nxt, mask = batch  # nxt[t] = x_{t+2}: head 0's label at f_t
     total, stats = 0.0, {}
     logits = heads.logits(feats[mask], lm_sub)  # [K, N, V']
@@ -136,6 +150,8 @@ def _export(method: str, model, d2t, out: Path, extra: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    import torch
+
     from tqdm import tqdm
 
     torch.manual_seed(args.seed)
@@ -162,7 +178,10 @@ def run(args: argparse.Namespace) -> None:
                         time.time() + 60 * args.gen_minutes, log)
         del llm
     files = sorted((work / "data").glob("chunk_*.pt"))
-    seqs = [s for f in files for s in torch.load(f) if s["hidden"].shape[0] >= 3]
+    seqs = [s for f in files for s in torch.load(f, map_location="cpu") if s["hidden"].shape[0] >= 3]
+    if not seqs:
+        raise ValueError(f"train-draft: no training data in {work / 'data'} "
+                         "(generate some with --gen-minutes > 0)")
     n_ans = sum(len(s["tokens"]) - s["prompt_len"] for s in seqs)
     log(f"data: {len(seqs)} sequences, {n_ans} answer tokens from {len(files)} chunks")
 

@@ -108,10 +108,11 @@ def _one(rng: random.Random) -> str:
 
 def instruction_prompts(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    seen, out = set(), []
+    seen, out, draws = set(), [], 0
     while len(out) < n:
         p = _one(rng)
-        if p not in seen or len(seen) > 50 * n:
+        draws += 1
+        if p not in seen or draws > 50 * n:  # templates exhausted: allow repeats
             seen.add(p)
             out.append(p)
     return out
