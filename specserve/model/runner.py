@@ -58,6 +58,7 @@ class StepLogits:
     hidden: torch.Tensor  # [R, hidden] final hidden states of those rows (for draft heads)
     row_start: list[int]  # per scheduled request: first row, or -1 when it has none
     num_rows: list[int]  # per scheduled request: 0, 1 or 1 + num_drafts
+    all_hidden: torch.Tensor  # [T, hidden] final hidden states of every token of the step
 
 
 class ModelRunner:
@@ -119,9 +120,9 @@ class ModelRunner:
                                        self.device, self.backend.layout, tree_parents)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, pos, self.kv_caches, meta, self.backend)
-        hidden = hidden.index_select(0, torch.tensor(row_index, dtype=torch.int64, device=self.device))
-        return StepLogits(self.model.compute_logits(hidden), hidden, row_start, num_rows)
+        every = self.model(input_ids, pos, self.kv_caches, meta, self.backend)
+        hidden = every.index_select(0, torch.tensor(row_index, dtype=torch.int64, device=self.device))
+        return StepLogits(self.model.compute_logits(hidden), hidden, row_start, num_rows, every)
 
 
 def _tree_positions(positions: list[int], sched: SchedulerOutput, tree_parents) -> list[int]:

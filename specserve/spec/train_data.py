@@ -3,8 +3,8 @@
 `instruction_prompts` writes varied instruction prompts from templates (writing, coding, math,
 QA, summarisation, roleplay, extraction, reasoning, ...). None comes from Spec-Bench: the
 benchmark prompts stay out of training. `generate_chunks` runs the engine (greedy, prefix
-caching off) over them in chunks and records, through a forward hook on the runner's model,
-the final hidden state of every computed token; each chunk is saved as one .pt file, so an
+caching off) over them in chunks and records, from each step's StepLogits.all_hidden, the
+final hidden state of every computed token; each chunk is saved as one .pt file, so an
 interrupted run resumes at the next missing chunk.
 
 A saved sequence is {"tokens": int32 [n], "hidden": float16 [m, hidden], "prompt_len": int}
@@ -126,19 +126,16 @@ def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_toke
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = llm.engine.runner
     captured: dict[str, dict[int, torch.Tensor]] = {}
-    last: list[torch.Tensor] = []
-    hook = runner.model.register_forward_hook(lambda m, args, out: last.append(out))
     original = runner.execute
 
     def execute(sched, tree_parents=None):
         starts = [r.num_computed_tokens for r in sched.requests]
-        last.clear()
         result = original(sched, tree_parents)
-        hidden, off = last[-1], 0
+        hidden, off = result.all_hidden.to("cpu", torch.float16), 0  # one copy per step
         for req, n, s in zip(sched.requests, sched.num_tokens, starts):
             rows = captured.setdefault(req.request_id, {})
             for j in range(n):
-                rows[s + j] = hidden[off + j].to(torch.float16)
+                rows[s + j] = hidden[off + j]
             off += n
         return result
 
@@ -173,5 +170,4 @@ def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_toke
                 f"in {time.time() - t0:.0f} s")
     finally:
         runner.execute = original
-        hook.remove()
     return files

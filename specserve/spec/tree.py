@@ -24,7 +24,6 @@ engine's tree path is meant to lift it.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -116,17 +115,6 @@ def compaction_slots(block_ids: list[int], block_size: int, start: int,
 
 # -- the hand-written loop (greedy or sampled; no stop strings, no penalties) -------------------
 
-@contextmanager
-def capture_hidden(model: torch.nn.Module):
-    """Collects the final hidden states [T, hidden] of every forward of `model` (all tokens)."""
-    outs: list[torch.Tensor] = []
-    handle = model.register_forward_hook(lambda mod, args, out: outs.append(out))
-    try:
-        yield outs
-    finally:
-        handle.remove()
-
-
 def prefill_step(runner, kv, reqs: list, proposer) -> list[int]:
     """Computes every request's whole prompt, shows the proposer all prompt features, and
     returns (and appends) the first greedy token of each."""
@@ -136,9 +124,8 @@ def prefill_step(runner, kv, reqs: list, proposer) -> list[int]:
         kv.allocate(r, r.num_tokens - r.num_computed_tokens)
     sched = SchedulerOutput(list(reqs), [r.num_tokens - r.num_computed_tokens for r in reqs],
                             [0] * len(reqs))
-    with capture_hidden(runner.model) as outs:
-        step = runner.execute(sched)
-    hidden, off, first = outs[-1], 0, []
+    step = runner.execute(sched)
+    hidden, off, first = step.all_hidden, 0, []
     for r, n, s in zip(reqs, sched.num_tokens, step.row_start):
         proposer.observe(r, r.num_computed_tokens, hidden[off:off + n])
         off += n

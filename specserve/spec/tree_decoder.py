@@ -8,8 +8,8 @@ this class supplies the three speculative hooks for draft trees:
     request's own sampling parameters (penalties see the node's ancestors), each tree is
     verified with specserve.spec.tree.verify_tree, the accepted path's KV is compacted into
     place (the engine's truncate then rolls back the rest), and the proposer is shown the
-    target features of every newly computed committed token (prefill chunks included, taken
-    from a forward hook on the runner's model: StepLogits.hidden has the sampled rows only);
+    target features of every newly computed committed token (prefill chunks included, from
+    StepLogits.all_hidden);
   * `propose(running)`: one DraftTree per request that may speculate.
 Noise is a pure function of (request seed, position, column), as in the plain sampler.
 """
@@ -66,14 +66,9 @@ class TreeSpecDecoder(SpecDecoder):
         self.max_drafts = config.num_speculative_tokens
         self.trees: dict[str, DraftTree] = {}
         self._seen: set[str] = set()  # requests the proposer holds state for
-        self._hidden: torch.Tensor | None = None  # [T, hidden]: the last target forward, all tokens
-        engine.runner.model.register_forward_hook(self._keep_hidden)
         self.gate = TreeGate(config.extra.get("adaptive", True))
         self._propose_end = 0.0
         self._propose_s = 0.0
-
-    def _keep_hidden(self, module, args, out) -> None:
-        self._hidden = out
 
     def _tree(self, req: Request, k: int) -> DraftTree:
         t = self.trees[req.request_id]
@@ -96,12 +91,12 @@ class TreeSpecDecoder(SpecDecoder):
         for req, n, k, row in zip(sched.requests, sched.num_tokens, sched.num_drafts, step.row_start):
             start = req.num_computed_tokens
             if row < 0:  # mid-prefill chunk: every token is committed
-                self.proposer.observe(req, start, self._hidden[off:off + n])
+                self.proposer.observe(req, start, step.all_hidden[off:off + n])
                 self._seen.add(req.request_id)
                 results.append(None)
             else:
                 results.append(self._verify_one(req, start, k, step.logits[row:row + k + 1],
-                                                self._hidden[off:off + n], n - k - 1))
+                                                step.all_hidden[off:off + n], n - k - 1))
             off += n
         return results
 
