@@ -85,3 +85,21 @@ def test_truncate_never_reopens_a_cached_block():
     assert len(r.block_ids) == 1
     kv.free(r)
     assert kv.num_free_blocks == 8
+
+
+def test_can_allocate_counts_prefix_hits_once():
+    """Admission with prefix hits under a tight pool (found by a preemption run in test_spec_draft_model)."""
+    kv = KVCacheManager(4, 4)
+    req = _req(list(range(13)), "a")
+    kv.allocate(req, 13)
+    req.num_computed_tokens = 13
+    kv.cache_committed_blocks(req)
+    kv.free(req)
+    again = _req(list(range(13)), "b")
+    hits = kv.find_cached_prefix(again)
+    assert len(hits) == 3
+    assert kv.can_allocate(again, 13, hits)  # 3 hit blocks + 1 new block, 4 in the pool
+    assert not kv.can_allocate(again, 17, hits)  # would need 2 new blocks
+    # headroom: blocks kept free for the running requests' next tokens
+    assert kv.can_allocate(again, 13, hits, headroom=0)
+    assert not kv.can_allocate(again, 13, hits, headroom=1)

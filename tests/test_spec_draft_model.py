@@ -118,21 +118,3 @@ def test_config_errors(make_llm, tiny_pair, tmp_path, default_model_dir):
             make_llm(str(target), num_blocks=16, speculative_config=config)
     llm = make_llm(str(target), num_blocks=16, speculative_config='{"model": "%s"}' % target)
     assert llm.engine.spec.proposer.name == "draft_model"  # a model alone implies draft_model
-
-
-def test_can_allocate_counts_prefix_hits_once():
-    """Admission with prefix hits under a tight pool (found by the preemption run above)."""
-    from specserve.kv_cache.manager import KVCacheManager
-    from specserve.request import Request
-
-    kv = KVCacheManager(4, 4)
-    req = Request("a", list(range(13)), SamplingParams(), set(), 0)
-    kv.allocate(req, 13)
-    req.num_computed_tokens = 13
-    kv.cache_committed_blocks(req)
-    kv.free(req)
-    again = Request("b", list(range(13)), SamplingParams(), set(), 0)
-    hits = kv.find_cached_prefix(again)
-    assert len(hits) == 3
-    assert kv.can_allocate(again, 13, hits)  # 3 hit blocks + 1 new block, 4 in the pool
-    assert not kv.can_allocate(again, 17, hits)  # would need 2 new blocks
