@@ -242,18 +242,17 @@ async def choice_deltas(stream: Any, index_of: dict[str, int], want_logprobs: bo
         yield i, out, delta, new_lps
 
 
-async def sse_with_epilogue(events: AsyncIterator[str], stream: Any,
-                            usage_chunk: Callable[[], dict[str, Any] | None],
-                            what: str) -> AsyncIterator[str]:
-    """Wrap a stream's chunks: the usage chunk when asked, errors reported in-band (the
-    status line is already sent), the engine stream closed (aborting what still runs), then
-    `data: [DONE]`."""
+async def sse_with_epilogue(events: AsyncIterator[str], stream: Any, what: str,
+                            header: dict[str, Any],
+                            usage: Callable[[], Usage] | None) -> AsyncIterator[str]:
+    """Wrap a stream's chunks: the usage chunk (`header` fields, no choices) when `usage` is
+    given, errors reported in-band (the status line is already sent), the engine stream closed
+    (aborting what still runs), then `data: [DONE]`."""
     try:
         async for event in events:
             yield event
-        body = usage_chunk()
-        if body is not None:
-            yield sse(body)
+        if usage is not None:
+            yield sse({**header, "choices": [], "usage": usage().model_dump()})
     except APIError as e:
         yield sse(e.body())
     except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band

@@ -101,10 +101,11 @@ class ChatCall:
         req, n = self.req, len(self.index_of)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+        header = {"id": self.request_id, "object": "chat.completion.chunk",
+                  "created": self.created, "model": self.model}
+
         def chunk(choices: list[dict[str, Any]]) -> str:
-            body: dict[str, Any] = {"id": self.request_id, "object": "chat.completion.chunk",
-                                    "created": self.created, "model": self.model,
-                                    "choices": choices}
+            body: dict[str, Any] = {**header, "choices": choices}
             if include_usage:
                 body["usage"] = None
             return sse(body)
@@ -127,12 +128,6 @@ class ChatCall:
                 if out.finished:
                     finals.append(out)
 
-        def usage_chunk() -> dict[str, Any] | None:
-            if not include_usage:
-                return None
-            return {"id": self.request_id, "object": "chat.completion.chunk",
-                    "created": self.created, "model": self.model, "choices": [],
-                    "usage": make_usage(self.num_prompt_tokens, finals).model_dump()}
-
-        async for event in sse_with_epilogue(events(), self.stream, usage_chunk, "chat"):
+        usage = (lambda: make_usage(self.num_prompt_tokens, finals)) if include_usage else None
+        async for event in sse_with_epilogue(events(), self.stream, "chat", header, usage):
             yield event

@@ -127,11 +127,13 @@ class CompletionCall:
         req, n = self.req, len(self.index_of)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+        header = {"id": self.request_id, "object": "text_completion", "created": self.created,
+                  "model": self.model}
+
         def chunk(index: int, text: str, logprobs: CompletionLogprobs | None,
                   finish_reason: str | None) -> str:
             body: dict[str, Any] = {
-                "id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.model,
+                **header,
                 "choices": [{"index": index, "text": text, "finish_reason": finish_reason,
                              "logprobs": logprobs.model_dump() if logprobs else None}]}
             if include_usage:
@@ -160,12 +162,6 @@ class CompletionCall:
                 if out.finished:
                     finals.append(out)
 
-        def usage_chunk() -> dict[str, Any] | None:
-            if not include_usage:
-                return None
-            return {"id": self.request_id, "object": "text_completion",
-                    "created": self.created, "model": self.model, "choices": [],
-                    "usage": make_usage(self.num_prompt_tokens, finals).model_dump()}
-
-        async for event in sse_with_epilogue(events(), self.stream, usage_chunk, "completion"):
+        usage = (lambda: make_usage(self.num_prompt_tokens, finals)) if include_usage else None
+        async for event in sse_with_epilogue(events(), self.stream, "completion", header, usage):
             yield event
