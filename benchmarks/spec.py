@@ -1,6 +1,8 @@
 """Wrapper: python benchmarks/spec.py [args] == specserve bench spec [args]."""
 
-from specserve.bench.spec import main
+import sys
+
+from specserve.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["bench", "spec", *sys.argv[1:]]))

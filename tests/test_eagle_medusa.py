@@ -228,3 +228,14 @@ def test_tree_config_keys_reach_the_proposer(tmp_path):
     prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"),
                                          num_speculative_tokens=6), engine)
     assert (prop.depth, prop.topk) == (4, 2)  # the defaults
+
+
+def test_medusa_tree_is_validated():
+    from specserve.spec.medusa import tree_from_choices
+
+    assert tree_from_choices([[1], [0], [0, 2]], 4) == [(0,), (1,), (0, 2)]
+    for bad, message in [([], "non-empty list"), ([[0, -1]], "integers >= 0"), ([[]], "non-empty"),
+                         ([["a"]], "integers"), ([[0, 0, 0]], "deeper than the 2 heads"),
+                         ([[0, 1]], "lacks its prefix")]:
+        with pytest.raises(ValueError, match=message):
+            tree_from_choices(bad, 2)

@@ -60,7 +60,18 @@ DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
 
 def tree_from_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
     """Validated, sorted (shorter first) rank paths no deeper than the heads reach."""
-    paths = sorted({tuple(c) for c in choices if 0 < len(c) <= num_heads}, key=lambda c: (len(c), c))
+    bad = ValueError("speculative_config.medusa_tree: expected a non-empty list of paths, each "
+                     "a non-empty list of ranks (integers >= 0)")
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise bad
+    for c in choices:
+        if (not isinstance(c, (list, tuple)) or not c
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in c)):
+            raise bad
+    paths = sorted({tuple(c) for c in choices if len(c) <= num_heads}, key=lambda c: (len(c), c))
+    if not paths:
+        raise ValueError(f"speculative_config.medusa_tree: every path is deeper than the "
+                         f"{num_heads} heads")
     have = set(paths)
     for c in paths:
         if len(c) > 1 and c[:-1] not in have:
@@ -86,7 +97,7 @@ class MedusaProposer:
         self.heads = heads.to(self.device, self.dtype)
         self.d2t = d2t.to(self.device) if d2t is not None else None
         self.lm_weight = w.index_select(0, self.d2t).contiguous() if d2t is not None else w
-        self.paths = tree_from_choices(tree or DEFAULT_MEDUSA_TREE, heads.num_heads)
+        self.paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
 
