@@ -57,7 +57,7 @@ def run_loop(runner, kv, tok, proposer, prompts: list[str], num_tokens: int, max
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
-    from specserve.config import CacheConfig, ModelConfig
+    from specserve.config import DEFAULT_MODEL, CacheConfig, ModelConfig
     from specserve.kv_cache.manager import KVCacheManager
     from specserve.model.arch import ModelArch
     from specserve.model.loader import resolve_model_dir
@@ -65,14 +65,16 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", choices=["eagle", "medusa"], default="eagle")
-    p.add_argument("--head", default=None)
+    p.add_argument("--head", default=None, help="head directory (eagle: default the shipped head)")
     p.add_argument("--m", type=int, nargs="+", default=[16])
-    p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--depth", type=int, default=5, help="eagle only")
+    p.add_argument("--topk", type=int, default=4, help="eagle only")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     args = p.parse_args(argv)
-    model_dir = resolve_model_dir("smollm2-135m-instruct")
+    if args.method == "medusa" and not args.head:
+        p.error("--method medusa needs --head (no Medusa head is shipped)")
+    model_dir = resolve_model_dir(DEFAULT_MODEL)
     arch = ModelArch.from_dir(model_dir)
     runner = ModelRunner(model_dir, arch, ModelConfig(), CacheConfig(num_blocks=512), 2048)
     kv = KVCacheManager(512, 16, enable_prefix_caching=False)
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
 
             prop = MedusaProposer(runner.model, args.head, m)
         out, per_step, t = run_loop(runner, kv, tok, prop, prompts, args.tokens, m)
-        print(f"{args.method} m={m} depth={args.depth} topk={args.topk}: {per_step:.2f} tokens/step, "
+        shape = f"m={m} depth={args.depth} topk={args.topk}" if args.method == "eagle" else f"m={m}"
+        print(f"{args.method} {shape}: {per_step:.2f} tokens/step, "
               f"{t:.1f} s, equal to plain: {out == ref}", flush=True)
 
 
