@@ -52,6 +52,11 @@ def third_tokens(llm) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
+def target_probs(models) -> np.ndarray:
+    return exact_third_token(models[0])
+
+
+@pytest.fixture(scope="module")
 def spec_llm(make_llm, models):
     target, draft = models
     # 3000 sequences of 8 tokens: 2 tokens a block, 1 block each for drafts
@@ -70,8 +75,8 @@ def _pvalue(counts, probs) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def test_speculative_sampling_matches_target(spec_llm, models):
-    probs = exact_third_token(models[0])
+def test_speculative_sampling_matches_target(spec_llm, target_probs):
+    probs = target_probs
     stats = spec_llm.engine.stats
     counts = third_tokens(spec_llm)
     # drafts were really verified, with rejections, and the draft differs from the target
@@ -80,7 +85,7 @@ def test_speculative_sampling_matches_target(spec_llm, models):
     assert _pvalue(counts, probs) > 1e-3
 
 
-def test_broken_rule_is_detected(spec_llm, models, monkeypatch):
+def test_broken_rule_is_detected(spec_llm, target_probs, monkeypatch):
     """Accepting every draft samples from the draft's distribution: the test must notice."""
     real = specserve.kernels.rejection_sample
 
@@ -89,5 +94,5 @@ def test_broken_rule_is_detected(spec_llm, models, monkeypatch):
                     noise)
 
     monkeypatch.setattr(specserve.kernels, "rejection_sample", always_accept)
-    probs = exact_third_token(models[0])
+    probs = target_probs
     assert _pvalue(third_tokens(spec_llm), probs) < 1e-6
