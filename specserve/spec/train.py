@@ -5,9 +5,13 @@ Recipe (EAGLE's, scaled to a CPU):
      its final hidden states are recorded for every token (specserve.spec.train_data);
   2. vocabulary: the N most frequent tokens of the answers become the draft vocabulary
      (d2t); the head scores only those rows of the target's LM head;
-  3. training: teacher forcing with uniform noise on the input features. EAGLE: smooth-L1 to
-     the next feature plus 0.1 x cross-entropy to the target's next-token distribution (both
-     on answer positions). Medusa: cross-entropy of head k to the token k + 2 ahead.
+  3. training: uniform noise on the input features. EAGLE: smooth-L1 to the next feature plus
+     0.1 x cross-entropy to the target's next-token distribution (both on answer positions),
+     over --unroll steps of "training-time test" (EAGLE-3's idea): step 1 is teacher forcing;
+     step j feeds the head its own step j-1 predictions as features and attends exactly what a
+     depth-j tree node sees at inference (the true pairs before its branch, its ancestors,
+     itself), so deep drafts are trained on the errors they will meet. Step j's loss weighs
+     0.8^(j-1). Medusa: cross-entropy of head k to the token k + 2 ahead.
 Resumable: data chunks and a checkpoint (every --ckpt-minutes) live in --work-dir; --resume
 continues from them. The head is exported to --out at each checkpoint and at the end.
 """
@@ -39,6 +43,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
     p.add_argument("--chunk", type=int, default=64, help="prompts per generation chunk")
+    p.add_argument("--self-instruct", type=int, default=0,
+                   help="also answer this many prompts the target writes itself (seed words from its vocabulary)")
+    p.add_argument("--doc-prompts", type=int, default=0,
+                   help="also answer this many long-context tasks over the target's earlier answers")
     p.add_argument("--gen-minutes", type=float, default=25.0, help="time budget for data generation")
     p.add_argument("--train-minutes", type=float, default=30.0, help="time budget for training")
     p.add_argument("--epochs", type=int, default=40)
@@ -46,10 +54,60 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-seqs", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width")
+    p.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test steps (1: teacher forcing)")
+    p.add_argument("--init", default=None, help="eagle: start from this head directory's weights")
+    p.add_argument("--holdout", type=int, default=64, help="sequences kept out of training to report "
+                   "per-depth agreement at each checkpoint")
     p.add_argument("--medusa-heads", type=int, default=4)
     p.add_argument("--ckpt-minutes", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=1024)
+
+
+def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
+    """Generate whatever chunks are missing, within --gen-minutes: template prompts
+    (chunk_*.pt), then self-instruct prompts (si_*.pt, their prompts kept in
+    self_instruct.json), then document tasks (doc_*.pt) over the answers already on disk."""
+    import json
+
+    import torch
+
+    from specserve.spec.train_data import (document_prompts, generate_chunks, instruction_prompts,
+                                           self_instruct_prompts)
+
+    data = work / "data"
+    deadline = time.time() + 60 * args.gen_minutes
+    n_chunks = lambda n: -(-n // args.chunk)  # noqa: E731
+    have = lambda prefix: len(list(data.glob(f"{prefix}_*.pt"))) if data.exists() else 0  # noqa: E731
+    if args.gen_minutes <= 0 or (have("chunk") >= n_chunks(args.num_prompts)
+                                 and have("si") >= n_chunks(args.self_instruct)
+                                 and have("doc") >= n_chunks(args.doc_prompts)):
+        return
+    from specserve import LLM
+
+    llm = LLM(args.target, max_model_len=args.max_model_len, enable_prefix_caching=False,
+              max_num_seqs=args.chunk, max_num_batched_tokens=4096)
+    generate_chunks(llm, instruction_prompts(args.num_prompts, args.seed), data, args.chunk,
+                    args.max_tokens, deadline, log)
+    if args.self_instruct > 0 and time.time() < deadline:
+        path = work / "self_instruct.json"
+        if not path.exists():
+            path.write_text(json.dumps(self_instruct_prompts(llm, args.self_instruct, args.seed, log), indent=0))
+        generate_chunks(llm, json.loads(path.read_text()), data, args.chunk, args.max_tokens, deadline,
+                        log, prefix="si")
+    if args.doc_prompts > 0 and time.time() < deadline:
+        tok = llm.get_tokenizer()
+        texts = [tok.decode(s["tokens"][s["prompt_len"]:].tolist(), skip_special_tokens=True).strip()
+                 for f in sorted(data.glob("chunk_*.pt")) + sorted(data.glob("si_*.pt"))
+                 for s in torch.load(f, map_location="cpu")]
+        texts = [t for t in texts if len(t) > 80]
+        path = work / "doc_prompts.json"
+        if not path.exists() and len(texts) >= 5:
+            path.write_text(json.dumps(document_prompts(texts, args.doc_prompts, args.seed), indent=0))
+        if path.exists():
+            generate_chunks(llm, json.loads(path.read_text()), data, args.chunk, args.max_tokens, deadline,
+                            log, prefix="doc")
+    del llm
 
 
 def _target_weights(target: str):
@@ -100,22 +158,83 @@ def _batch(seqs: list[dict], embed: torch.Tensor):
     return feats, embed[tokens_in], target, tokens_next, mask
 
 
-def _eagle_loss(head, batch, lm_sub, t2d, noise: float):
+def ttt_mask(t: int, step: int) -> torch.Tensor:
+    """[t, step * t] bool: what the pair at position i of unroll step `step` (1-based) attends.
+
+    Keys are the steps' keys side by side. A step-j query at position i is a depth-j tree node:
+    it sees step 1's (true) pairs up to position i - j + 1, where its branch leaves the
+    committed text, then one ancestor per step in between, at positions i - j + 2 .. i - 1, and
+    itself at step j, position i."""
+    import torch
+
+    q = torch.arange(t)[:, None]
+    s = torch.arange(t)[None, :]
+    blocks = [s <= q - step + 1] + [s == q - step + j for j in range(2, step + 1)]
+    return torch.cat(blocks, 1)
+
+
+def unrolled(head, feats: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's predicted next features at every position for unroll steps 1..steps.
+
+    Step 1 reads the pairs (f_i, x_{i+1}); step j reads (step j-1's prediction at i - 1,
+    x_{i+1}) at position i, under ttt_mask. Each step's output at i estimates f_{i+1} (positions
+    i < j - 1 of step j have no input and are junk)."""
+    import torch
+
+    b, t, _ = feats.shape
+    pos = torch.arange(t)
+    out, k, v = head(feats, embeds, pos)
+    outs, keys, values = [out], [k], [v]
+    for j in range(2, steps + 1):
+        shifted = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)
+        out, k, v = head(shifted, embeds, pos, torch.cat(keys, 1), torch.cat(values, 1), ttt_mask(t, j)[None])
+        outs.append(out)
+        keys.append(k)
+        values.append(v)
+    return outs
+
+
+def _eagle_loss(head, batch, lm_sub, t2d, noise: float, steps: int = 1):
     import torch
     import torch.nn.functional as F
 
     feats, embeds, target, nxt, mask = batch
     feats = feats + (torch.rand_like(feats) - 0.5) * noise
-    pos = torch.arange(feats.shape[1])
-    pred, _, _ = head(feats, embeds, pos)
-    pred, target = pred[mask], target[mask]
-    vloss = F.smooth_l1_loss(pred, target)
-    logp = F.log_softmax(pred @ lm_sub.T, -1)
+    tgt = target[mask]
     with torch.no_grad():
-        p_t = F.softmax(target @ lm_sub.T, -1)
-    ploss = -(p_t * logp).sum(-1).mean()
-    acc = (t2d[nxt[mask]] == logp.argmax(-1)).float().mean()
-    return vloss + 0.1 * ploss, {"vloss": vloss.item(), "ploss": ploss.item(), "acc": acc.item()}
+        p_t = F.softmax(tgt @ lm_sub.T, -1)
+    total, stats = 0.0, {}
+    for j, pred in enumerate(unrolled(head, feats, embeds, steps)):
+        ok = mask.clone()
+        ok[:, :j] = False  # no input at step j + 1 yet
+        keep = ok[mask]
+        pred = pred[mask][keep]
+        vloss = F.smooth_l1_loss(pred, tgt[keep])
+        logp = F.log_softmax(pred @ lm_sub.T, -1)
+        ploss = -(p_t[keep] * logp).sum(-1).mean()
+        total = total + (0.8 ** j) * (vloss + 0.1 * ploss)
+        acc = (t2d[nxt[ok]] == logp.argmax(-1)).float().mean()
+        sfx = "" if j == 0 else str(j + 1)
+        stats.update({f"vloss{sfx}": vloss.item(), f"ploss{sfx}": ploss.item(), f"acc{sfx}": acc.item()})
+    return total, stats
+
+
+def depth_agreement(head, seqs: list[dict], embed, lm_sub, t2d, steps: int, batch: int = 16) -> list[float]:
+    """Per unroll step j, how often the head's top-1 draft at depth j equals the target's token
+    when the drafts before it were right (answer positions): the acceptance of a chain draft
+    depth by depth."""
+    import torch
+
+    hits, count = [0] * steps, [0] * steps
+    with torch.inference_mode():
+        for i in range(0, len(seqs), batch):
+            feats, embeds, _, nxt, mask = _batch(seqs[i:i + batch], embed)
+            for j, pred in enumerate(unrolled(head, feats, embeds, steps)):
+                ok = mask.clone()
+                ok[:, :j] = False
+                hits[j] += (t2d[nxt[ok]] == (pred[ok] @ lm_sub.T).argmax(-1)).sum().item()
+                count[j] += ok.sum().item()
+    return [h / max(1, c) for h, c in zip(hits, count)]
 
 
 def _medusa_loss(heads, batch, lm_sub, t2d, noise: float):
@@ -165,19 +284,8 @@ def run(args: argparse.Namespace) -> None:
         tqdm.write(f"[train-draft {time.time() - log_start:7.0f}s] {msg}")
 
     # 1. data (chunks already on disk are kept: generation resumes by itself)
-    from specserve.spec.train_data import generate_chunks, instruction_prompts
-
-    prompts = instruction_prompts(args.num_prompts, args.seed)
-    have = sorted((work / "data").glob("chunk_*.pt")) if (work / "data").exists() else []
-    if len(have) * args.chunk < len(prompts) and args.gen_minutes > 0:
-        from specserve import LLM
-
-        llm = LLM(args.target, max_model_len=args.max_model_len, enable_prefix_caching=False,
-                  max_num_seqs=args.chunk, max_num_batched_tokens=4096)
-        generate_chunks(llm, prompts, work / "data", args.chunk, args.max_tokens,
-                        time.time() + 60 * args.gen_minutes, log)
-        del llm
-    files = sorted((work / "data").glob("chunk_*.pt"))
+    _ensure_data(args, work, log)
+    files = sorted((work / "data").glob("*.pt"))
     seqs = [s for f in files for s in torch.load(f, map_location="cpu") if s["hidden"].shape[0] >= 3]
     if not seqs:
         raise ValueError(f"train-draft: no training data in {work / 'data'} "
@@ -196,16 +304,39 @@ def run(args: argparse.Namespace) -> None:
         log(f"vocab: {d2t.numel()} draft tokens cover {covered / max(1, n_ans):.3%} of answer tokens")
 
     # 3. model, optimiser, checkpoint
+    if args.unroll < 1:
+        raise ValueError("train-draft: --unroll must be >= 1")
+    held, seqs = seqs[len(seqs) - args.holdout:] if 0 < args.holdout < len(seqs) else [], seqs
+    if held:
+        seqs = seqs[:len(seqs) - len(held)]
     if args.method == "eagle":
         from specserve.spec.eagle_head import EagleHead, head_arch_from_target
 
-        model = EagleHead(head_arch_from_target(arch), args.max_model_len + 64)
-        loss_fn = _eagle_loss
+        if args.init:
+            from specserve.spec.heads_io import load_eagle
+
+            model = load_eagle(args.init, arch, args.max_model_len + 64)[0]
+            log(f"initialised from {args.init}")
+        else:
+            model = EagleHead(head_arch_from_target(arch), args.max_model_len + 64)
+
+        def loss_fn(model, batch, lm_sub, t2d, noise):
+            return _eagle_loss(model, batch, lm_sub, t2d, noise, args.unroll)
+
+        def report() -> None:
+            if held:
+                model.eval()
+                acc = depth_agreement(model, held, embed, lm_sub, t2d, max(args.unroll, 4))
+                log(f"held-out agreement by depth ({len(held)} sequences): "
+                    + " ".join(f"d{j + 1}={a:.3f}" for j, a in enumerate(acc)))
     else:
         from specserve.spec.medusa import MedusaHeads
 
         model = MedusaHeads(args.medusa_heads, 1, arch.hidden_size)
         loss_fn = _medusa_loss
+
+        def report() -> None:
+            pass
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(seqs) / args.batch_seqs)
     total = steps_per_epoch * args.epochs
@@ -227,10 +358,13 @@ def run(args: argparse.Namespace) -> None:
                     "sched": sched.state_dict(), "step": step}, tmp)
         tmp.replace(ckpt_path)
         _export(args.method, model, d2t, out, extra)
+        report()
 
     # 4. train: epoch e visits the sequences in a permutation seeded by e (resumable by step)
     deadline = time.time() + 60 * args.train_minutes
     last_ckpt, avg = time.time(), {}
+    if step == 0:
+        report()
     bar = tqdm(total=total, initial=step, desc=f"train {args.method}", mininterval=10)
     while step < total and time.time() < deadline:
         epoch, i = divmod(step, steps_per_epoch)

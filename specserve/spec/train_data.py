@@ -1,8 +1,15 @@
 """Self-distillation data for draft heads: the target's own answers and final hidden states.
 
-`instruction_prompts` writes varied instruction prompts from templates (writing, coding, math,
-QA, summarisation, roleplay, extraction, reasoning, ...). None comes from Spec-Bench: the
-benchmark prompts stay out of training. `generate_chunks` runs the engine (greedy, prefix
+Three prompt sources, none from Spec-Bench (the benchmark prompts stay out of training):
+
+  * `instruction_prompts`: templates (writing, coding, math, QA, summarisation, roleplay,
+    extraction, reasoning, ...) over a few dozen topics;
+  * `self_instruct_prompts`: the target writes the questions itself, one per seed word drawn
+    from its own vocabulary (thousands of topics the templates never name);
+  * `document_prompts`: long-context tasks (summarise, answer from a passage, extract, rewrite,
+    translate, continue) over documents made of the target's earlier answers, so the head
+    learns to copy from context as summarisation and RAG need.
+ `generate_chunks` runs the engine (greedy, prefix
 caching off) over them in chunks and records, from each step's StepLogits.all_hidden, the
 final hidden state of every computed token; each chunk is saved as one .pt file, so an
 interrupted run resumes at the next missing chunk.
@@ -118,9 +125,81 @@ def instruction_prompts(n: int, seed: int = 0) -> list[str]:
     return out
 
 
+def seed_words(tokenizer, n: int, seed: int = 0) -> list[str]:
+    """n distinct lower-case English-looking words from the tokenizer's vocabulary (tokens that
+    start a word, letters only, at least 5 letters), in a seeded random order."""
+    vocab = tokenizer.get_vocab()
+    words = sorted({w[1:] for w in vocab if w[:1] in ("\u0120", "\u2581") and w[1:].isalpha()
+                    and w[1:].islower() and len(w) >= 6})
+    random.Random(seed).shuffle(words)
+    return words[:n]
+
+
+ASK = ["Write one question that a curious person might ask an assistant about '{w}'.",
+       "Write one instruction that asks an assistant to write something about '{w}'.",
+       "Write one practical question about '{w}' that someone might search for.",
+       "Write one request for help with a task that involves '{w}'."]
+
+
+def self_instruct_prompts(llm, n: int, seed: int = 0, log=print) -> list[str]:
+    """Up to n prompts written by the target, greedily (the seed words make them differ), one
+    per seed word: the first line of each answer (or its longest quoted part), when 12-300
+    characters long."""
+    from specserve.request import SamplingParams
+
+    rng = random.Random(seed)
+    words = seed_words(llm.get_tokenizer(), n + n // 4, seed)
+    convs = [[{"role": "user", "content": rng.choice(ASK).format(w=w)}] for w in words]
+    # in waves of max_num_seqs: all prefills first, then pure decode steps (a step that mixes
+    # a prefill with decodes pads every request's queries to the prompt's length)
+    wave = llm.engine.config.scheduler.max_num_seqs
+    outs = []
+    for i in range(0, len(convs), wave):
+        outs += llm.chat(convs[i:i + wave], SamplingParams(temperature=0.0, max_tokens=40))
+        log(f"data: self-instruct prompts {len(outs)}/{len(convs)}")
+    prompts = []
+    for o in outs:
+        line = o.outputs[0].text.strip().split("\n")[0].strip()
+        quoted = max(line.split('"')[1::2], key=len, default="")
+        line = (quoted if len(quoted) >= 12 else line).strip('"').strip()
+        if 12 <= len(line) <= 300 and line not in prompts:
+            prompts.append(line)
+    log(f"data: the target wrote {len(prompts)} prompts from {len(words)} seed words")
+    return prompts[:n]
+
+
+DOC_TASKS = ["Summarize the following text in a few sentences.\n\n{d}",
+             "{d}\n\nWrite a one-paragraph summary of the text above.",
+             "Read the passage and answer the question.\n\nPassage: {d}\n\nQuestion: {q}",
+             "Using only the information in the documents below, answer: {q}\n\n{d}",
+             "List the main points of this text as bullet points.\n\n{d}",
+             "Rewrite the following text in simpler words.\n\n{d}",
+             "Translate the first two sentences of this text into {lang}.\n\n{d}",
+             "Extract the key terms from this text and explain each in one line.\n\n{d}",
+             "{d}\n\nContinue the text above with one more paragraph in the same style.",
+             "Give this text a title, then quote its most important sentence.\n\n{d}"]
+QUESTION_STEMS = ["What is the main idea of the passage?", "What does the text say about {w}?",
+                  "Which details support the author's point?", "What example does the text give?",
+                  "According to the text, why does this matter?", "What is mentioned first?"]
+
+
+def document_prompts(texts: list[str], n: int, seed: int = 0, parts: tuple[int, int] = (2, 4)) -> list[str]:
+    """n long-context prompts; each document joins 2-4 of `texts` (the target's own answers)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        doc = "\n\n".join(rng.sample(texts, rng.randint(*parts)))
+        word = rng.choice([w for w in doc.split() if w.isalpha() and len(w) > 5] or ["it"])
+        out.append(rng.choice(DOC_TASKS).format(
+            d=doc, q=rng.choice(QUESTION_STEMS).format(w=word),
+            lang=rng.choice(["French", "German", "Spanish", "Italian"])))
+    return out
+
+
 def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_tokens: int,
-                    deadline: float, log=print) -> list[Path]:
-    """Greedy answers + final hidden states, one file per chunk of prompts (skips done chunks)."""
+                    deadline: float, log=print, prefix: str = "chunk") -> list[Path]:
+    """Greedy answers + final hidden states, one file per chunk of prompts (skips done chunks);
+    files are named PREFIX_NNNNN.pt."""
     from specserve.request import SamplingParams
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +222,7 @@ def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_toke
     files = []
     try:
         for i in range(0, len(prompts), chunk):
-            path = out_dir / f"chunk_{i // chunk:05d}.pt"
+            path = out_dir / f"{prefix}_{i // chunk:05d}.pt"
             if path.exists():
                 files.append(path)
                 continue
@@ -166,7 +245,7 @@ def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_toke
             torch.save(seqs, path)
             files.append(path)
             ntok = sum(len(s["tokens"]) - s["prompt_len"] for s in seqs)
-            log(f"data: chunk {i // chunk} ({len(seqs)} answers, {ntok} tokens) "
+            log(f"data: {prefix} {i // chunk} ({len(seqs)} answers, {ntok} tokens) "
                 f"in {time.time() - t0:.0f} s")
     finally:
         runner.execute = original
