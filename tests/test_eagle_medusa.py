@@ -239,3 +239,77 @@ def test_medusa_tree_is_validated():
                          ([[0, 1]], "lacks its prefix")]:
         with pytest.raises(ValueError, match=message):
             tree_from_choices(bad, 2)
+
+
+def test_graft_merges_a_chain_into_a_tree():
+    from specserve.spec.draft_tree import DraftTree
+
+    tree = DraftTree([10, 11, 12, 13], [-1, -1, 0, 1])  # 10 -> 12, 11 -> 13
+    merged = tree.graft([10, 12, 7, 8], limit=10)  # shares 10 -> 12, then new nodes
+    assert merged.tokens == [10, 11, 12, 13, 7, 8]
+    assert merged.parents == [-1, -1, 0, 1, 2, 4]
+    assert tree.graft([5, 6], limit=5).tokens == [10, 11, 12, 13, 5]  # the limit cuts the graft
+    assert tree.graft([5], limit=2).tokens == [10, 11]  # ... and the tree itself, parents first
+    assert DraftTree([], []).graft([3, 4], limit=8).is_chain
+
+
+def test_lookup_branch_keeps_greedy_output_with_the_head_paused(tmp_path):
+    """lookup_branch grafts prompt-lookup chains onto the trees; with the head paused by the
+    gate, the chains are drafted alone. Both ways the output is plain greedy's."""
+    from specserve.config import SpecConfig
+    from specserve.spec.tree_decoder import TreeSpecDecoder
+
+    llm = tiny_llm(tmp_path)
+    engine = llm.engine
+    prompts = [{"prompt_token_ids": [5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17]}, {"prompt_token_ids": [7, 7, 7, 7]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
+    for paused in (False, True):
+        prop = EagleProposer(engine.runner.model, tmp_path / "head", 6, depth=3, topk=2)
+        config = SpecConfig(method="eagle", num_speculative_tokens=6, extra={"lookup_branch": 5})
+        engine.spec = TreeSpecDecoder(config, engine, prop)
+        engine.spec.gate.enabled = paused
+        engine.spec.gate.cost = 100.0  # trees never pay: once paused, only lookup chains are drafted
+        engine.spec.gate.probe_interval = 10 ** 6
+        drafts_before = engine.stats.spec_num_drafts
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        assert got == ref
+        assert engine.stats.spec_num_drafts > drafts_before
+        assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
+
+
+def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
+    """train.unrolled's step j is what a depth-j node computes at inference: a top-1 chain
+    drafted by EagleProposer equals the argmax of the unrolled steps over the same tokens."""
+    from specserve.spec.train import ttt_mask, unrolled
+
+    assert ttt_mask(4, 2).int().tolist() == [[0, 0, 0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 0, 1, 0, 0],
+                                             [1, 1, 0, 0, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0, 0, 1]]
+    arch = ModelArch.from_dict(TINY)
+    runner = ModelRunner(None, arch, ModelConfig(load_format="dummy", seed=3, dtype="float32"),
+                         CacheConfig(block_size=4, num_blocks=64), 256)
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    head = EagleHead(ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    save_eagle(head, None, tmp_path / "head", dtype=torch.float32)
+    prop = EagleProposer(runner.model, tmp_path / "head", 3, depth=3, topk=1)
+    head = prop.head
+    req = make_requests([[5, 9, 17, 33, 2, 8, 8, 1, 4, 60, 12]])[0]
+    prefill_step(runner, kv, [req], prop)  # features f_0..f_{n-1}, tokens x_0..x_n
+    chain = prop.propose_one(req, 3)
+    assert chain.is_chain and len(chain) == 3
+    seq = req.all_token_ids + chain.tokens
+    n = req.num_tokens - 1
+    feats = torch.stack(prop.cache[req.request_id].feats)  # [n, hidden]
+    feats = torch.cat([feats, torch.zeros(3, feats.shape[1])])[None]  # positions >= n: unused
+    embeds = runner.model.embed_tokens.weight[torch.tensor(seq[1:n + 4])][None]
+    with torch.no_grad():
+        outs = unrolled(head, feats, embeds, 3)
+    lm = runner.model.lm_head.weight
+    expect = [int((outs[j][0, n - 1 + j] @ lm.T).argmax()) for j in range(3)]
+    assert chain.tokens == expect
+    kv.free(req)

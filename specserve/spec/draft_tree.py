@@ -37,6 +37,26 @@ class DraftTree:
     def chain(tokens: Sequence[int], probs: torch.Tensor | None = None) -> "DraftTree":
         return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), probs)
 
+    def graft(self, chain: Sequence[int], limit: int) -> "DraftTree":
+        """This tree with `chain` (tokens that would follow the committed ones) merged in as a
+        path from the root: it follows existing nodes while they match and appends the rest
+        after every existing node, so parents still precede children. At most `limit` nodes
+        in all (the tree's own nodes first). One-hot only: grafting needs probs None."""
+        assert self.probs is None, "graft: trees with draft probabilities cannot take foreign nodes"
+        tokens, parents = list(self.tokens[:limit]), list(self.parents[:limit])
+        kids: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
+        at = -1
+        for tok in chain:
+            nxt = kids.get((at, tok))
+            if nxt is None:
+                if len(tokens) >= limit:
+                    break
+                tokens.append(tok)
+                parents.append(at)
+                nxt = len(tokens) - 1
+            at = nxt
+        return DraftTree(tokens, parents)
+
     @property
     def depth(self) -> list[int]:
         """Depth of each node: 1 for a child of the committed tokens."""

@@ -33,8 +33,8 @@ CHAIN_METHODS = ("ngram", "draft_model")
 TREE_METHODS = ("eagle", "medusa")  # specserve.spec.tree_decoder
 METHODS = CHAIN_METHODS + TREE_METHODS
 # keys of our own, beside vLLM's: "adaptive" (bool, default true), "verify_cost" (float),
-# "medusa_tree" (tree methods)
-OWN_KEYS = {"adaptive", "verify_cost", "medusa_tree"}
+# "medusa_tree" and "lookup_branch" (int >= 0; tree methods)
+OWN_KEYS = {"adaptive", "verify_cost", "medusa_tree", "lookup_branch"}
 
 
 def validate_spec_config(config: SpecConfig) -> None:
@@ -44,7 +44,7 @@ def validate_spec_config(config: SpecConfig) -> None:
     k = config.num_speculative_tokens
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"speculative_config.num_speculative_tokens: must be an integer >= 1, got {k!r}")
-    if config.method == "ngram":
+    if config.method in ("ngram",) + TREE_METHODS:
         lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
         if not isinstance(lo, int) or not isinstance(hi, int) or lo < 1 or hi < lo:
             raise ValueError("speculative_config.prompt_lookup_min/max: need integers with "
@@ -56,6 +56,9 @@ def validate_spec_config(config: SpecConfig) -> None:
         value = getattr(config, key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"speculative_config.{key}: must be an integer >= 1, got {value!r}")
+    branch = config.extra.get("lookup_branch", 0)
+    if not isinstance(branch, int) or isinstance(branch, bool) or branch < 0:
+        raise ValueError(f"speculative_config.lookup_branch: must be an integer >= 0, got {branch!r}")
     if not isinstance(config.extra.get("adaptive", True), bool):
         raise ValueError("speculative_config.adaptive: must be true or false")
     unknown = sorted(set(config.extra) - OWN_KEYS)

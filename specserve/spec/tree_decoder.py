@@ -10,7 +10,11 @@ this class supplies the three speculative hooks for draft trees:
     place (the engine's truncate then rolls back the rest), and the proposer is shown the
     target features of every newly computed committed token (prefill chunks included, from
     StepLogits.all_hidden);
-  * `propose(running)`: one DraftTree per request that may speculate.
+  * `propose(running)`: one DraftTree per request that may speculate. With "lookup_branch": L
+    (default LOOKUP_BRANCH), an n-gram prompt-lookup chain of up to L tokens is grafted onto
+    each tree (shared prefixes merge), so text that repeats the context (summaries, RAG
+    answers, edits) is drafted as well as the head drafts fresh text; a request whose head
+    the TreeGate has paused still gets the lookup chain alone, which costs no head pass.
 Noise is a pure function of (request seed, position, column), as in the plain sampler.
 """
 
@@ -33,6 +37,7 @@ from specserve.sampler import (
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.adaptive import TreeGate
 from specserve.spec.draft_tree import DraftTree
+from specserve.spec.ngram import NgramProposer
 from specserve.spec.step import SpecDecoder, StepResult
 from specserve.spec.tree import children_lists, compaction_slots, verify_tree
 
@@ -59,11 +64,18 @@ def make_tree_proposer(config: SpecConfig, engine):
     raise ValueError(f"speculative_config.method: {config.method!r} is not a tree method")
 
 
+LOOKUP_BRANCH = 4  # default n-gram chain length grafted onto each tree (0: off)
+
+
 class TreeSpecDecoder(SpecDecoder):
     def __init__(self, config: SpecConfig, engine, proposer=None) -> None:
         super().__init__(config, engine)
         self.proposer = proposer or make_tree_proposer(config, engine)
         self.max_drafts = config.num_speculative_tokens
+        self.lookup = config.extra.get("lookup_branch", LOOKUP_BRANCH)
+        self.ngram = (NgramProposer(self.lookup, config.prompt_lookup_min, config.prompt_lookup_max)
+                      if self.lookup else None)
+        self._head_drafted: set[str] = set()  # requests whose head drafted this step's tree
         self.trees: dict[str, DraftTree] = {}
         self._seen: set[str] = set()  # requests the proposer holds state for
         self.gate = TreeGate(config.extra.get("adaptive", True))
@@ -83,7 +95,7 @@ class TreeSpecDecoder(SpecDecoder):
     def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:
         if self._propose_end and sched.total_tokens == len(sched) + sum(sched.num_drafts):
             # a decode-only step: its cost is the target forward plus the drafting before it
-            trees = any(sched.num_drafts)
+            trees = bool(self._head_drafted)
             seconds = time.perf_counter() - self._propose_end + (self._propose_s if trees else 0.0)
             self.gate.observe_step(seconds, len(sched), trees)
         results: list[StepResult] = []
@@ -138,7 +150,7 @@ class TreeSpecDecoder(SpecDecoder):
         self.proposer.observe(req, start, hidden[list(range(num_before)) + [num_before + r for r in rows]])
         self._seen.add(req.request_id)
         self._count(req, k, len(verdict.path))
-        if k:
+        if k and req.request_id in self._head_drafted:
             self.gate.observe(req, len(verdict.path) + 1)
         tokens = verdict.tokens
         if req.params.logprobs is None:
@@ -160,17 +172,27 @@ class TreeSpecDecoder(SpecDecoder):
             self._seen.discard(rid)
             self.trees.pop(rid, None)
             self.proposer.free(rid)
-        reqs, ks = [], []
+        reqs, ks, lookup_only, room = [], [], [], {}
         max_len = self.engine.max_model_len
         for req in running:
             if req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
                 continue
-            room = min(req.max_tokens - req.num_output_tokens, max_len - req.num_tokens) - 1
-            k = min(self.max_drafts, room)
+            room[req] = min(req.max_tokens - req.num_output_tokens, max_len - req.num_tokens) - 1
+            k = min(self.max_drafts, room[req])
             if k > 0 and self.gate.active(req):
                 reqs.append(req)
                 ks.append(k)
-        for req, tree in zip(reqs, self.proposer.propose(reqs, ks) if reqs else []):
+            elif k > 0 and self.ngram is not None:
+                lookup_only.append(req)
+        trees = list(self.proposer.propose(reqs, ks)) if reqs else []
+        self._head_drafted = {r.request_id for r, t in zip(reqs, trees) if t is not None and len(t)}
+        if self.ngram is not None:
+            reqs, trees = reqs + lookup_only, trees + [None] * len(lookup_only)
+            chains = self.ngram.propose(reqs, [self.lookup] * len(reqs))
+            for i, (req, tree, chain) in enumerate(zip(reqs, trees, chains)):
+                if chain is not None and (tree is None or tree.probs is None):
+                    trees[i] = (tree or DraftTree([], [])).graft(chain.tokens, room[req])
+        for req, tree in zip(reqs, trees):
             if tree is None or not len(tree):
                 continue
             self.trees[req.request_id] = tree
