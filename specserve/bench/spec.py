@@ -50,6 +50,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "or HEAD_DIR)")
     parser.add_argument("--tree-drafts", "--eagle-drafts", dest="tree_drafts", type=int, default=8,
                         help="eagle and medusa: draft tree size m (num_speculative_tokens)")
+    parser.add_argument("--lookup-branch", type=int, default=None,
+                        help="eagle and medusa: prompt-lookup chain grafted onto each tree (default: the decoder's)")
+    parser.add_argument("--eagle-head-only", action="store_true",
+                        help="also run eagle with lookup_branch 0 (as 'eagle-head-only')")
     parser.add_argument("--medusa", default=None, metavar="HEADS_DIR",
                         help="also run method medusa with these heads")
     parser.add_argument("--category", action="append", choices=CATEGORIES, default=None,
@@ -109,12 +113,18 @@ def run(args: argparse.Namespace) -> dict:
         engines["draft_model"] = LLM(args.model, **common_engine,
                                      speculative_config={"method": "draft_model",
                                                          "model": args.draft_model, **common})
-    tree = {"num_speculative_tokens": args.tree_drafts, "adaptive": not args.no_adaptive}
+    tree = {"num_speculative_tokens": args.tree_drafts, "adaptive": not args.no_adaptive,
+            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    if args.lookup_branch is not None:
+        tree["lookup_branch"] = args.lookup_branch
     if args.eagle:
         eagle = {"method": "eagle", **tree}
         if args.eagle != "default":
             eagle["model"] = args.eagle
         engines["eagle"] = LLM(args.model, **common_engine, speculative_config=eagle)
+        if args.eagle_head_only:
+            engines["eagle-head-only"] = LLM(args.model, **common_engine,
+                                             speculative_config={**eagle, "lookup_branch": 0})
     if args.medusa:
         engines["medusa"] = LLM(args.model, **common_engine,
                                 speculative_config={"method": "medusa", "model": args.medusa, **tree})
@@ -181,14 +191,14 @@ def _summarise(args, tallies, methods) -> dict:
 
 
 def _print_table(result: dict) -> None:
-    print(f"{'category':<16}{'method':<13}{'e2e tok/s':>10}{'decode tok/s':>13}{'speedup':>9}"
+    print(f"{'category':<16}{'method':<16}{'e2e tok/s':>10}{'decode tok/s':>13}{'speedup':>9}"
           f"{'acc.len':>9}{'mismatch':>10}")
     for r in result["rows"]:
-        print(f"{r['category']:<16}{r['method']:<13}{r['tokens_per_s']:>10.2f}"
+        print(f"{r['category']:<16}{r['method']:<16}{r['tokens_per_s']:>10.2f}"
               f"{r['decode_tokens_per_s']:>13.2f}{r['speedup']:>9.2f}"
               f"{r['mean_acceptance_length']:>9.2f}{r['mismatches']:>10}")
     for m, o in result["overall"].items():
-        print(f"{'overall':<16}{m:<13}{'':>10}{o['decode_tokens_per_s']:>13.2f}{o['speedup']:>9.2f}")
+        print(f"{'overall':<16}{m:<16}{'':>10}{o['decode_tokens_per_s']:>13.2f}{o['speedup']:>9.2f}")
     print("speedup: decode tokens/s (after the first token) over no speculation")
 
 
