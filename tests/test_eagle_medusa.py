@@ -268,14 +268,25 @@ def test_lookup_branch_keeps_greedy_output_with_the_head_paused(tmp_path):
     for paused in (False, True):
         prop = EagleProposer(engine.runner.model, tmp_path / "head", 6, depth=3, topk=2)
         config = SpecConfig(method="eagle", num_speculative_tokens=6, extra={"lookup_branch": 5})
-        engine.spec = TreeSpecDecoder(config, engine, prop)
-        engine.spec.gate.enabled = paused
-        engine.spec.gate.cost = 100.0  # trees never pay: once paused, only lookup chains are drafted
-        engine.spec.gate.probe_interval = 10 ** 6
+        spec = engine.spec = TreeSpecDecoder(config, engine, prop)
+        spec.gate.enabled = False
+        if paused:  # the gate never lets the head draft: only lookup chains are drafted
+            spec.gate.active = lambda req: False
+            prop.propose = lambda reqs, ks: pytest.fail("a paused head drafted")
+        sizes = []
+        propose = spec.propose
+
+        def spy(running):
+            propose(running)
+            sizes.extend(len(t) for t in spec.trees.values())
+
+        spec.propose = spy
         drafts_before = engine.stats.spec_num_drafts
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         assert got == ref
         assert engine.stats.spec_num_drafts > drafts_before
+        if not paused:
+            assert max(sizes) > 6  # lookup nodes grafted beside the head's 6
         assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
 
 

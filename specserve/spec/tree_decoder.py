@@ -95,7 +95,7 @@ class TreeSpecDecoder(SpecDecoder):
     def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:
         if self._propose_end and sched.total_tokens == len(sched) + sum(sched.num_drafts):
             # a decode-only step: its cost is the target forward plus the drafting before it
-            trees = bool(self._head_drafted)
+            trees = bool(self._head_drafted)  # lookup chains alone cost no head pass: plain
             seconds = time.perf_counter() - self._propose_end + (self._propose_s if trees else 0.0)
             self.gate.observe_step(seconds, len(sched), trees)
         results: list[StepResult] = []
@@ -172,26 +172,28 @@ class TreeSpecDecoder(SpecDecoder):
             self._seen.discard(rid)
             self.trees.pop(rid, None)
             self.proposer.free(rid)
-        reqs, ks, lookup_only, room = [], [], [], {}
+        head, lookup_only = [], []  # (request, room for drafts)
         max_len = self.engine.max_model_len
         for req in running:
             if req.num_output_tokens == 0 or req.num_computed_tokens != req.num_tokens - 1:
                 continue
-            room[req] = min(req.max_tokens - req.num_output_tokens, max_len - req.num_tokens) - 1
-            k = min(self.max_drafts, room[req])
-            if k > 0 and self.gate.active(req):
-                reqs.append(req)
-                ks.append(k)
-            elif k > 0 and self.ngram is not None:
-                lookup_only.append(req)
-        trees = list(self.proposer.propose(reqs, ks)) if reqs else []
+            room = min(req.max_tokens - req.num_output_tokens, max_len - req.num_tokens) - 1
+            if room < 1:
+                continue
+            if self.gate.active(req):
+                head.append((req, room))
+            elif self.ngram is not None:
+                lookup_only.append((req, room))
+        reqs = [r for r, _ in head]
+        trees = list(self.proposer.propose(reqs, [min(self.max_drafts, n) for _, n in head])) if head else []
         self._head_drafted = {r.request_id for r, t in zip(reqs, trees) if t is not None and len(t)}
         if self.ngram is not None:
-            reqs, trees = reqs + lookup_only, trees + [None] * len(lookup_only)
-            chains = self.ngram.propose(reqs, [self.lookup] * len(reqs))
-            for i, (req, tree, chain) in enumerate(zip(reqs, trees, chains)):
-                if chain is not None and (tree is None or tree.probs is None):
-                    trees[i] = (tree or DraftTree([], [])).graft(chain.tokens, room[req])
+            both = head + lookup_only
+            reqs, trees = [r for r, _ in both], trees + [None] * len(lookup_only)
+            chains = self.ngram.propose(reqs, [min(self.lookup, n) for _, n in both])
+            for i, ((_, room), chain) in enumerate(zip(both, chains)):
+                if chain is not None and (trees[i] is None or trees[i].probs is None):
+                    trees[i] = (trees[i] or DraftTree([], [])).graft(chain.tokens, room)
         for req, tree in zip(reqs, trees):
             if tree is None or not len(tree):
                 continue
