@@ -77,7 +77,7 @@ class _Cache:
 
 @pytest.mark.parametrize("prefix", [5, 63, 64, 200, 700])
 def test_verify_rows_equal_single_decodes(prefix):
-    cache = _Cache(num_reqs=3, length=max(prefix + 8, 48), seed=prefix)
+    cache = _Cache(num_reqs=3, length=max(prefix + 8, 120), seed=prefix)
     decodes = [cache.run([(0, prefix + i, 1)])[0][0] for i in range(6)]
     verify = cache.run([(0, prefix, 6)])[0]
     for i in range(6):
@@ -85,6 +85,9 @@ def test_verify_rows_equal_single_decodes(prefix):
     # the same rows beside other requests: a long prefill chunk and another decode
     mixed = cache.run([(1, 0, 40), (0, prefix, 6), (2, prefix + 7, 1)])[1]
     assert torch.equal(mixed, verify)
+    # beside a longer prefill chunk: the step attends in groups of similar query length
+    split = cache.run([(1, 0, 100), (0, prefix, 6), (2, prefix + 7, 1)])[1]
+    assert torch.equal(split, verify)
 
 
 def test_tree_nodes_equal_decoding_their_path():
@@ -102,6 +105,9 @@ def test_tree_nodes_equal_decoding_their_path():
     # node j's q/k/v are taken from source position prefix + j
     tree = cache.run([(1, 30, 1), (0, prefix, len(parents))], tree_parents=[None, parents],
                      order=[None, [prefix + j for j in range(len(parents))]])[1]
+    beside_prefill = cache.run([(1, 0, 100), (0, prefix, len(parents))], tree_parents=[None, parents],
+                               order=[None, [prefix + j for j in range(len(parents))]])[1]
+    assert torch.equal(beside_prefill, tree)  # split step: the tree's group has no prefill rows
     for node, path in enumerate(paths):
         # plain decoding would have written the path's tokens at consecutive positions
         chain = _Cache(num_reqs=1, length=prefix + len(path), seed=1)

@@ -50,6 +50,10 @@ class AttentionMetadata:
     logical_index: torch.Tensor | None = None  # [B, Q, L] int64 dense key per logical slot; None: identity
     logical_start: int = 0  # every row's logical order equals the dense one below this position
     tree_mask: torch.Tensor | None = None  # [T, W] int32 packed bits for the Triton tree kernel
+    # Dense and logical layouts pad every request's queries to max_query_len. A step that mixes
+    # a prefill chunk with decodes is split instead: (token rows [T_g], metadata) per group of
+    # requests, and the backend attends group by group (see split_by_query_len).
+    parts: list[tuple[torch.Tensor, "AttentionMetadata"]] | None = None
 
     @staticmethod
     def build(seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]],
@@ -85,7 +89,16 @@ class AttentionMetadata:
             max_seq_len=int(seq.max()),
         )
         has_tree = tree_parents is not None and any(p is not None for p in tree_parents)
-        if layout == "logical":
+        groups = split_by_query_len(qlen) if layout in ("dense", "logical") else None
+        if groups is not None:
+            meta.parts = []
+            for g in groups:
+                rows = np.concatenate([np.arange(qsl[b], qsl[b + 1]) for b in g])
+                sub = AttentionMetadata.build(
+                    [seq_lens[b] for b in g], [query_lens[b] for b in g], [block_tables[b] for b in g],
+                    block_size, device, layout, [tree_parents[b] for b in g] if has_tree else None)
+                meta.parts.append((as_t(rows), sub))
+        elif layout == "logical":
             _logical_layout(meta, table, seq, qlen, req_of_token, qsl, block_size, tree_parents,
                             as_t)
         elif layout == "dense":
@@ -102,6 +115,18 @@ class AttentionMetadata:
         elif layout == "paged" and has_tree:
             meta.tree_mask = _packed_tree_mask(tree_parents, qlen, device)
         return meta
+
+
+def split_by_query_len(qlen: np.ndarray) -> list[list[int]] | None:
+    """Request groups for a step whose padding to the longest query would waste work: query
+    lengths in ranges 1, 2-4, 5-16, 17-64, 65-256, ... (each padded at most 4x within its
+    group), so decodes, verifies and prefill chunks do not pad to each other. None when one
+    group holds everything (a plain decode step)."""
+    bucket = (np.ceil(np.log2(np.maximum(qlen, 1))) + 1) // 2  # 1 -> 0, 2-4 -> 1, 5-16 -> 2, ...
+    keys = np.unique(bucket)
+    if len(keys) == 1:
+        return None
+    return [np.flatnonzero(bucket == key).tolist() for key in keys]
 
 
 def _gather_layout(meta: AttentionMetadata, table: np.ndarray, seq: np.ndarray,
@@ -192,7 +217,11 @@ class TorchAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
-        queries, keys, values, group = _gather_dense(q, k, v, k_cache, v_cache, meta)
+        return _attend_dense(self._attend, q, k, v, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        queries, keys, values, group = _gather_dense(q, k_cache, v_cache, meta)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_per_group(meta, "dense_mask", group),
                                              scale=scale)
         return _scatter_dense(out, meta, group, q.shape[0])
@@ -230,8 +259,11 @@ class InvariantAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
+        return _attend_dense(self._attend, q, k, v, k_cache, v_cache, meta, scale)
+
+    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # the "logical" layout gathers keys pre-padded to whole chunks, always with a mask
-        queries, keys, values, group = _gather_dense(q, k, v, k_cache, v_cache, meta)
+        queries, keys, values, group = _gather_dense(q, k_cache, v_cache, meta)
         mask = _per_group(meta, "dense_mask", group)
         index = _per_group(meta, "logical_index", group)
         rows, length = queries.shape[2], keys.shape[2]
@@ -272,16 +304,28 @@ class InvariantAttention:
         return part.float().cumsum(dim=3)[:, :, :, -1].to(queries.dtype)
 
 
-def _gather_dense(q, k, v, k_cache, v_cache, meta: AttentionMetadata):
-    """Write the new K/V, gather each request's context: queries [B, Hkv, G*Q, D] and
-    keys/values [B, Hkv, L, D] (G query heads per KV head folded into the row axis)."""
+def _attend_dense(attend, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write the step's new K/V into the caches, then attend(q, k_cache, v_cache, meta, scale)
+    over the whole step, or part by part when the metadata splits it (rows scattered back)."""
     # q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
     num_kv, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if meta.parts is None:
+        return attend(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    for rows, sub in meta.parts:
+        out.index_copy_(0, rows, attend(q.index_select(0, rows), k_cache, v_cache, sub, scale))
+    return out
+
+
+def _gather_dense(q, k_cache, v_cache, meta: AttentionMetadata):
+    """Gather each request's context: queries [B, Hkv, G*Q, D] and keys/values [B, Hkv, L, D]
+    (G query heads per KV head folded into the row axis)."""
+    num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv
     flat_k = k_cache.view(-1, num_kv, head_dim)
     flat_v = v_cache.view(-1, num_kv, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
     num_reqs, max_l = meta.gather_slots.shape
     max_q = meta.max_query_len
     slots = meta.gather_slots.view(-1)

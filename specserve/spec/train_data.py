@@ -9,10 +9,10 @@ Three prompt sources, none from Spec-Bench (the benchmark prompts stay out of tr
   * `document_prompts`: long-context tasks (summarise, answer from a passage, extract, rewrite,
     translate, continue) over documents made of the target's earlier answers, so the head
     learns to copy from context as summarisation and RAG need.
- `generate_chunks` runs the engine (greedy, prefix
-caching off) over them in chunks and records, from each step's StepLogits.all_hidden, the
-final hidden state of every computed token; each chunk is saved as one .pt file, so an
-interrupted run resumes at the next missing chunk.
+
+`generate_chunks` runs the engine (greedy, prefix caching off) over them in chunks and records,
+from each step's StepLogits.all_hidden, the final hidden state of every computed token; each
+chunk is saved as one .pt file, so an interrupted run resumes at the next missing chunk.
 
 A saved sequence is {"tokens": int32 [n], "hidden": float16 [m, hidden], "prompt_len": int}
 where hidden row t is f_t, the target's feature at position t (it predicts token t+1), and
@@ -150,22 +150,16 @@ def self_instruct_prompts(llm, n: int, seed: int = 0, log=print) -> list[str]:
     rng = random.Random(seed)
     words = seed_words(llm.get_tokenizer(), n + n // 4, seed)
     convs = [[{"role": "user", "content": rng.choice(ASK).format(w=w)}] for w in words]
-    # in waves of max_num_seqs: all prefills first, then pure decode steps (a step that mixes
-    # a prefill with decodes pads every request's queries to the prompt's length)
-    wave = llm.engine.config.scheduler.max_num_seqs
-    outs = []
-    for i in range(0, len(convs), wave):
-        outs += llm.chat(convs[i:i + wave], SamplingParams(temperature=0.0, max_tokens=40))
-        log(f"data: self-instruct prompts {len(outs)}/{len(convs)}")
-    prompts = []
+    outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=True)
+    prompts: dict[str, None] = {}  # first occurrence order, no repeats
     for o in outs:
         line = o.outputs[0].text.strip().split("\n")[0].strip()
         quoted = max(line.split('"')[1::2], key=len, default="")
         line = (quoted if len(quoted) >= 12 else line).strip('"').strip()
-        if 12 <= len(line) <= 300 and line not in prompts:
-            prompts.append(line)
+        if 12 <= len(line) <= 300:
+            prompts.setdefault(line)
     log(f"data: the target wrote {len(prompts)} prompts from {len(words)} seed words")
-    return prompts[:n]
+    return list(prompts)[:n]
 
 
 DOC_TASKS = ["Summarize the following text in a few sentences.\n\n{d}",

@@ -101,3 +101,28 @@ def test_gpu_real_shapes_bf16(make_batch, block_size, hq, hkv, q_lens, prefix):
     out = paged_attention_triton(**b)
     ref = paged_attention_ref(**b)
     _close(out, ref, 2e-2)
+
+
+@pytest.mark.parametrize("backend", ["TorchAttention", "InvariantAttention"])
+def test_dense_backends_split_a_mixed_step_and_match_the_reference(make_batch, backend):
+    """A prefill chunk beside decodes and a verify: the dense layouts attend in groups of
+    similar query length (no decode row is padded to the chunk's length) and still match the
+    paged reference."""
+    import numpy as np
+
+    from specserve.model import attention as A
+
+    q_lens, prefix = [1, 100, 3, 1], [30, 0, 12, 70]
+    b = make_batch(q_lens, prefix, 6, 2, 32, 16, seed=2)
+    impl = getattr(A, backend)()
+    tables = [row.tolist() for row in b["block_tables"]]
+    meta = A.AttentionMetadata.build(b["seq_lens"].tolist(), q_lens, tables, 16, torch.device("cpu"), impl.layout)
+    # query lengths 1 | 2-4 | 65-256 attend apart (token rows of each group)
+    assert [g.tolist() for g, _ in meta.parts] == [[0, 104], [101, 102, 103], list(range(1, 101))]
+    assert A.split_by_query_len(np.array([1, 1, 1])) is None  # a decode step stays whole
+    assert A.split_by_query_len(np.array([5, 16, 9])) is None
+    # the new tokens' K/V are already in the cache: writing them again changes nothing
+    flat_k, flat_v = b["k_cache"].view(-1, 2, 32), b["v_cache"].view(-1, 2, 32)
+    k, v = flat_k[meta.slot_mapping].clone(), flat_v[meta.slot_mapping].clone()
+    out = impl(b["q"], k, v, b["k_cache"], b["v_cache"], meta, b["scale"])
+    _close(out, paged_attention_ref(**b), 1e-4)
