@@ -56,7 +56,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width")
     p.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test steps (1: teacher forcing)")
     p.add_argument("--init", default=None, help="eagle: start from this head directory's weights")
-    p.add_argument("--holdout", type=int, default=64, help="sequences kept out of training to report "
+    p.add_argument("--holdout", type=int, default=64, help="eagle: sequences kept out of training to report "
                    "per-depth agreement at each checkpoint")
     p.add_argument("--medusa-heads", type=int, default=4)
     p.add_argument("--ckpt-minutes", type=float, default=3.0)
@@ -77,11 +77,9 @@ def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
 
     data = work / "data"
     deadline = time.time() + 60 * args.gen_minutes
-    n_chunks = lambda n: -(-n // args.chunk)  # noqa: E731
-    have = lambda prefix: len(list(data.glob(f"{prefix}_*.pt"))) if data.exists() else 0  # noqa: E731
-    if args.gen_minutes <= 0 or (have("chunk") >= n_chunks(args.num_prompts)
-                                 and have("si") >= n_chunks(args.self_instruct)
-                                 and have("doc") >= n_chunks(args.doc_prompts)):
+    wanted = {"chunk": args.num_prompts, "si": args.self_instruct, "doc": args.doc_prompts}
+    if args.gen_minutes <= 0 or all(len(list(data.glob(f"{prefix}_*.pt"))) >= -(-n // args.chunk)
+                                    for prefix, n in wanted.items()):
         return
     from specserve import LLM
 
@@ -96,14 +94,15 @@ def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
         generate_chunks(llm, json.loads(path.read_text()), data, args.chunk, args.max_tokens, deadline,
                         log, prefix="si")
     if args.doc_prompts > 0 and time.time() < deadline:
-        tok = llm.get_tokenizer()
-        texts = [tok.decode(s["tokens"][s["prompt_len"]:].tolist(), skip_special_tokens=True).strip()
-                 for f in sorted(data.glob("chunk_*.pt")) + sorted(data.glob("si_*.pt"))
-                 for s in torch.load(f, map_location="cpu")]
-        texts = [t for t in texts if len(t) > 80]
         path = work / "doc_prompts.json"
-        if not path.exists() and len(texts) >= 5:
-            path.write_text(json.dumps(document_prompts(texts, args.doc_prompts, args.seed), indent=0))
+        if not path.exists():  # documents: the answers on disk (decoded once, then kept)
+            tok = llm.get_tokenizer()
+            texts = [tok.decode(s["tokens"][s["prompt_len"]:].tolist(), skip_special_tokens=True).strip()
+                     for f in sorted(data.glob("chunk_*.pt")) + sorted(data.glob("si_*.pt"))
+                     for s in torch.load(f, map_location="cpu")]
+            texts = [t for t in texts if len(t) > 80]
+            if len(texts) >= 5:
+                path.write_text(json.dumps(document_prompts(texts, args.doc_prompts, args.seed), indent=0))
         if path.exists():
             generate_chunks(llm, json.loads(path.read_text()), data, args.chunk, args.max_tokens, deadline,
                             log, prefix="doc")
@@ -194,6 +193,13 @@ def unrolled(head, feats: torch.Tensor, embeds: torch.Tensor, steps: int) -> lis
     return outs
 
 
+def _with_input(mask: torch.Tensor, j: int) -> torch.Tensor:
+    """The positions of `mask` that unroll step j + 1 (0-based j) has an input for: i >= j."""
+    ok = mask.clone()
+    ok[:, :j] = False
+    return ok
+
+
 def _eagle_loss(head, batch, lm_sub, t2d, noise: float, steps: int = 1):
     import torch
     import torch.nn.functional as F
@@ -205,10 +211,9 @@ def _eagle_loss(head, batch, lm_sub, t2d, noise: float, steps: int = 1):
         p_t = F.softmax(tgt @ lm_sub.T, -1)
     total, stats = 0.0, {}
     for j, pred in enumerate(unrolled(head, feats, embeds, steps)):
-        ok = mask.clone()
-        ok[:, :j] = False  # no input at step j + 1 yet
-        keep = ok[mask]
-        pred = pred[mask][keep]
+        ok = _with_input(mask, j)
+        keep = ok[mask]  # ok's positions among mask's, for the per-position targets above
+        pred = pred[ok]
         vloss = F.smooth_l1_loss(pred, tgt[keep])
         logp = F.log_softmax(pred @ lm_sub.T, -1)
         ploss = -(p_t[keep] * logp).sum(-1).mean()
@@ -230,8 +235,7 @@ def depth_agreement(head, seqs: list[dict], embed, lm_sub, t2d, steps: int, batc
         for i in range(0, len(seqs), batch):
             feats, embeds, _, nxt, mask = _batch(seqs[i:i + batch], embed)
             for j, pred in enumerate(unrolled(head, feats, embeds, steps)):
-                ok = mask.clone()
-                ok[:, :j] = False
+                ok = _with_input(mask, j)
                 hits[j] += (t2d[nxt[ok]] == (pred[ok] @ lm_sub.T).argmax(-1)).sum().item()
                 count[j] += ok.sum().item()
     return [h / max(1, c) for h, c in zip(hits, count)]
@@ -306,10 +310,10 @@ def run(args: argparse.Namespace) -> None:
     # 3. model, optimiser, checkpoint
     if args.unroll < 1:
         raise ValueError("train-draft: --unroll must be >= 1")
-    held, seqs = seqs[len(seqs) - args.holdout:] if 0 < args.holdout < len(seqs) else [], seqs
-    if held:
-        seqs = seqs[:len(seqs) - len(held)]
+    report = None  # logs the held-out agreement by depth (eagle)
     if args.method == "eagle":
+        n_held = args.holdout if 0 < args.holdout < len(seqs) else 0
+        held, seqs = seqs[len(seqs) - n_held:], seqs[:len(seqs) - n_held]
         from specserve.spec.eagle_head import EagleHead, head_arch_from_target
 
         if args.init:
@@ -323,8 +327,8 @@ def run(args: argparse.Namespace) -> None:
         def loss_fn(model, batch, lm_sub, t2d, noise):
             return _eagle_loss(model, batch, lm_sub, t2d, noise, args.unroll)
 
-        def report() -> None:
-            if held:
+        if held:
+            def report() -> None:
                 model.eval()
                 acc = depth_agreement(model, held, embed, lm_sub, t2d, max(args.unroll, 4))
                 log(f"held-out agreement by depth ({len(held)} sequences): "
@@ -334,9 +338,6 @@ def run(args: argparse.Namespace) -> None:
 
         model = MedusaHeads(args.medusa_heads, 1, arch.hidden_size)
         loss_fn = _medusa_loss
-
-        def report() -> None:
-            pass
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(seqs) / args.batch_seqs)
     total = steps_per_epoch * args.epochs
@@ -358,12 +359,13 @@ def run(args: argparse.Namespace) -> None:
                     "sched": sched.state_dict(), "step": step}, tmp)
         tmp.replace(ckpt_path)
         _export(args.method, model, d2t, out, extra)
-        report()
+        if report:
+            report()
 
     # 4. train: epoch e visits the sequences in a permutation seeded by e (resumable by step)
     deadline = time.time() + 60 * args.train_minutes
     last_ckpt, avg = time.time(), {}
-    if step == 0:
+    if step == 0 and report:
         report()
     bar = tqdm(total=total, initial=step, desc=f"train {args.method}", mininterval=10)
     while step < total and time.time() < deadline:
