@@ -1,0 +1,68 @@
+"""One engine step that mixes a prefill chunk with decodes, against each part alone, and
+against the same step with every query padded to the longest (the split turned off).
+
+    python benchmarks/mixed_step.py [--decodes 48 --context 120 --prefill 400]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    import torch
+
+    import specserve.model.attention as attention
+    from specserve.config import DEFAULT_MODEL, CacheConfig, ModelConfig
+    from specserve.kv_cache.manager import KVCacheManager
+    from specserve.model.arch import ModelArch
+    from specserve.model.loader import resolve_model_dir
+    from specserve.model.runner import ModelRunner
+    from specserve.request import Request, SamplingParams
+    from specserve.scheduler.scheduler import SchedulerOutput
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--decodes", type=int, default=48)
+    p.add_argument("--context", type=int, default=120)
+    p.add_argument("--prefill", type=int, default=400)
+    p.add_argument("--runs", type=int, default=5)
+    args = p.parse_args()
+    model_dir = resolve_model_dir(DEFAULT_MODEL)
+    runner = ModelRunner(model_dir, ModelArch.from_dir(model_dir), ModelConfig(), CacheConfig(num_blocks=2048), 4096)
+    kv = KVCacheManager(2048, 16, enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(0)
+
+    def request(rid: str, n: int) -> Request:
+        return Request(rid, torch.randint(0, 40000, (n,), generator=g).tolist(), SamplingParams(), set(), 0)
+
+    decodes = [request(f"d{i}", args.context) for i in range(args.decodes)]
+    for r in decodes:
+        kv.allocate(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens - 1
+    prefill = request("p", args.prefill)
+    kv.allocate(prefill, args.prefill)
+
+    def best(reqs, counts, runs):
+        sched = SchedulerOutput(reqs, counts, [0] * len(reqs))
+        times = []
+        for _ in range(runs + 1):  # the first run warms up
+            start = time.perf_counter()
+            runner.execute(sched)
+            times.append(time.perf_counter() - start)
+        return 1e3 * min(times[1:])
+
+    ones = [1] * len(decodes)
+    rows = [(f"{args.decodes} decodes", best(decodes, ones, args.runs)),
+            (f"{args.prefill}-token prefill", best([prefill], [args.prefill], args.runs)),
+            ("both in one step, split", best(decodes + [prefill], ones + [args.prefill], args.runs))]
+    attention.split_by_query_len = lambda qlen: None
+    rows.append(("both in one step, padded", best(decodes + [prefill], ones + [args.prefill], 1)))
+    for name, ms in rows:
+        print(f"{name:<32}{ms:>10.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
