@@ -3,6 +3,7 @@ loop (specserve.spec.tree.tree_spec_step) reproduces plain greedy decoding token
 a tiny random model and on the default model with the shipped head; KV blocks are freed."""
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -324,3 +325,46 @@ def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
     expect = [int((outs[j][0, n - 1 + j] @ lm.T).argmax()) for j in range(3)]
     assert chain.tokens == expect
     kv.free(req)
+
+
+def test_min_draft_prob_cuts_unlikely_nodes_and_keeps_greedy_output(tmp_path, monkeypatch):
+    import specserve.spec.eagle as eagle_mod
+
+    arch, runner, kv = tiny_runner(tmp_path)
+    write_eagle1(tmp_path / "eagle", arch)
+    prompts = [[5, 9, 17, 33, 2], [7, 7, 1, 80, 44, 3, 12]]
+    rerank, seen = eagle_mod._rerank, []  # every node (token, parent, score) the proposer ranks
+
+    def spy(tokens, parents, scores, *rest):
+        seen.append((list(tokens), list(parents), list(scores)))
+        return rerank(tokens, parents, scores, *rest)
+
+    monkeypatch.setattr(eagle_mod, "_rerank", spy)
+
+    def trees(min_prob):
+        prop = EagleProposer(runner.model, tmp_path / "eagle", num_speculative_tokens=8, depth=3, topk=3,
+                             min_prob=min_prob)
+        reqs = make_requests(prompts)
+        prefill_step(runner, kv, reqs, prop)
+        seen.clear()
+        out = prop.propose(reqs, [8, 8])
+        for r in reqs:
+            kv.free(r)
+        return out
+
+    full = trees(0.0)
+    nodes = list(seen)
+    cut = sorted(nodes[0][2], reverse=True)[4]  # the first request keeps its 5 likeliest nodes
+    pruned = trees(math.exp(cut))
+    # the same as ranking the full expansion with the cut: skipping unlikely nodes' expansion
+    # loses nothing that could have passed, and fewer nodes are verified
+    for got, (t, p, s) in zip(pruned, nodes):
+        want = rerank(t, p, s, 8, cut)
+        assert (got.tokens, got.parents) == (want.tokens, want.parents) if len(want) else got is None
+    assert sum(len(t or []) for t in pruned) < sum(len(t) for t in full)
+    assert trees(0.999) == [None, None]  # a random head is never that sure: no trees at all
+    prop = EagleProposer(runner.model, tmp_path / "eagle", num_speculative_tokens=8, depth=3, topk=3,
+                         min_prob=math.exp(cut))
+    ref, _ = decode(runner, kv, NoDrafts(), prompts, 16)
+    got, _ = decode(runner, kv, prop, prompts, 16)
+    assert got == ref and kv.num_free_blocks == kv.num_total_blocks

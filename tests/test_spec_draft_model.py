@@ -112,6 +112,9 @@ def test_config_errors(make_llm, tiny_pair, tmp_path, default_model_dir):
         ('{"method": "ngram", "num_speculative_tokens": ', "not valid JSON"),
         ({"method": "eagle", "depth": 0}, "depth: must be an integer"),
         ({"method": "eagle", "topk": "2"}, "topk: must be an integer"),
+        ({"method": "eagle", "lookup_branch": -1}, "lookup_branch: must be an integer >= 0"),
+        ({"method": "eagle", "min_draft_prob": 1.0}, r"min_draft_prob: must be a number in \[0, 1\)"),
+        ({"method": "eagle", "min_draft_prob": "0.1"}, "min_draft_prob: must be a number"),
     ]
     for config, message in cases:
         with pytest.raises(ValueError, match=message):

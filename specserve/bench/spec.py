@@ -52,6 +52,11 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="eagle and medusa: draft tree size m (num_speculative_tokens)")
     parser.add_argument("--lookup-branch", type=int, default=None,
                         help="eagle and medusa: prompt-lookup chain grafted onto each tree (default: the decoder's)")
+    parser.add_argument("--min-draft-prob", type=float, default=None,
+                        help="eagle: cut tree nodes whose cumulative draft probability is below this")
+    parser.add_argument("--eagle-variant", action="append", default=[], metavar="NAME=JSON",
+                        help="also run eagle as 'eagle-NAME' with these speculative_config keys on top "
+                             "(repeatable), e.g. p05='{\"min_draft_prob\": 0.05}'")
     parser.add_argument("--eagle-head-only", action="store_true",
                         help="also run eagle with lookup_branch 0 (as 'eagle-head-only')")
     parser.add_argument("--medusa", default=None, metavar="HEADS_DIR",
@@ -70,6 +75,21 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="weights and activations of every engine")
     parser.add_argument("--out", default="bench_out/spec", help="directory for JSON and PNG")
     return parser
+
+
+def _variants(specs: list[str]) -> list[tuple[str, dict]]:
+    """--eagle-variant NAME=JSON values -> [(name, keys)]; a malformed one is a clear error."""
+    out = []
+    for spec in specs:
+        name, _, text = spec.partition("=")
+        try:
+            keys = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--eagle-variant {spec!r}: expected NAME=JSON ({e})") from None
+        if not name or not isinstance(keys, dict):
+            raise ValueError(f"--eagle-variant {spec!r}: expected NAME=JSON with a JSON object")
+        out.append((name, keys))
+    return out
 
 
 @dataclass
@@ -100,6 +120,9 @@ def run(args: argparse.Namespace) -> dict:
 
     from specserve import LLM, SamplingParams
 
+    variants = _variants(args.eagle_variant)  # checked before any model loads
+    if variants and not args.eagle:
+        raise ValueError("--eagle-variant needs --eagle")
     categories = args.category or CATEGORIES
     prompts = load_prompts(categories, args.limit)
     common_engine = {"max_model_len": args.max_model_len, "dtype": args.dtype}
@@ -117,6 +140,8 @@ def run(args: argparse.Namespace) -> dict:
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
     if args.lookup_branch is not None:
         tree["lookup_branch"] = args.lookup_branch
+    if args.min_draft_prob is not None:
+        tree["min_draft_prob"] = args.min_draft_prob
     if args.eagle:
         eagle = {"method": "eagle", **tree}
         if args.eagle != "default":
@@ -125,6 +150,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.eagle_head_only:
             engines["eagle-head-only"] = LLM(args.model, **common_engine,
                                              speculative_config={**eagle, "lookup_branch": 0})
+        for name, keys in variants:
+            engines[f"eagle-{name}"] = LLM(args.model, **common_engine, speculative_config={**eagle, **keys})
     if args.medusa:
         engines["medusa"] = LLM(args.model, **common_engine,
                                 speculative_config={"method": "medusa", "model": args.medusa, **tree})

@@ -13,6 +13,12 @@ grows a tree (EAGLE-2, Li et al. 2024):
   * rerank: the m best-scored nodes of the whole tree (ancestors always score at least as high
     as their descendants, so the set is a tree) are returned, parents first.
 
+With `min_prob` > 0 the tree is also cut by confidence: a node whose cumulative draft
+probability (exp of its score, which tracks its chance of acceptance) is below min_prob is
+neither expanded nor returned. On a machine where every verified row costs time (a CPU), an
+unlikely node costs more than it is expected to bring; a step where nothing is likely enough
+drafts no tree at all (and stops expanding early, saving head passes).
+
 Nodes are the deterministic top-k of the draft, so the DraftTree carries no probabilities
 (one-hot q): tree verification then stays exact under sampling too.
 
@@ -22,6 +28,7 @@ tokens): logits = f_hat @ W_lm[d2t].T, and draft ids map back through d2t.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,12 +52,13 @@ class EagleProposer:
     name = "eagle"
 
     def __init__(self, target_model, head_dir: str | Path | None = None, num_speculative_tokens: int = 16,
-                 depth: int = 5, topk: int = 4, max_positions: int = 8192) -> None:
+                 depth: int = 5, topk: int = 4, max_positions: int = 8192, min_prob: float = 0.0) -> None:
         from specserve.spec.heads_io import load_eagle
 
         self.m, self.depth, self.topk = num_speculative_tokens, depth, topk
         if self.m < 1 or self.depth < 1 or self.topk < 1:
             raise ValueError("speculative_config: num_speculative_tokens, depth and topk must be >= 1")
+        self.min_score = math.log(min_prob) if min_prob > 0 else -math.inf
         param = target_model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
         head, d2t, embed = load_eagle(head_dir or DEFAULT_EAGLE_DIR, target_model.arch, max_positions)
@@ -136,13 +144,15 @@ class EagleProposer:
         tokens = self._to_target_ids(top_ix).tolist()
         parents = [-1] * k
         scores = top_lp.tolist()
-        frontier = list(range(k))  # nodes to expand at the next depth
+        frontier = [i for i in range(k) if scores[i] >= self.min_score]  # nodes to expand next
         parent_out = [root] * k  # head output that node i's pair reads (its parent's f_hat)
         anc: list[list[int]] = [[] for _ in range(k)]  # expanded-node rows each node descends from
         tree_k = tree_v = None
         num_rows = 0
         past = c.keys.shape[1]
         for d in range(1, self.depth):
+            if not frontier:
+                break
             f = len(frontier)
             feats = torch.stack([parent_out[i] for i in frontier])[None]
             ids = torch.tensor([tokens[i] for i in frontier], device=self.device)
@@ -171,20 +181,22 @@ class EagleProposer:
                     new_nodes.append(len(tokens) - 1)
             num_rows += f
             best = cum.flatten().topk(min(k, cum.numel())).indices.tolist()
-            frontier = [new_nodes[b] for b in best]
-        return _rerank(tokens, parents, scores, budget)
+            frontier = [new_nodes[b] for b in best if scores[new_nodes[b]] >= self.min_score]
+        tree = _rerank(tokens, parents, scores, budget, self.min_score)
+        return tree if len(tree) else None
 
     def propose(self, requests: list, max_drafts: list[int]) -> list[DraftTree | None]:
         return [self.propose_one(r, m) for r, m in zip(requests, max_drafts)]
 
 
-def _rerank(tokens: list[int], parents: list[int], scores: list[float], m: int) -> DraftTree:
-    """The m best-scored nodes (ties: earlier node first, so parents precede children), in
-    creation order, re-indexed."""
+def _rerank(tokens: list[int], parents: list[int], scores: list[float], m: int,
+            min_score: float = -math.inf) -> DraftTree:
+    """The m best-scored nodes scoring at least min_score (ties: earlier node first, so parents
+    precede children), in creation order, re-indexed."""
     order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))
     chosen: set[int] = set()
     for i in order:
-        if len(chosen) == m:
+        if len(chosen) == m or scores[i] < min_score:
             break
         if parents[i] < 0 or parents[i] in chosen:
             chosen.add(i)

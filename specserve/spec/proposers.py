@@ -33,8 +33,8 @@ CHAIN_METHODS = ("ngram", "draft_model")
 TREE_METHODS = ("eagle", "medusa")  # specserve.spec.tree_decoder
 METHODS = CHAIN_METHODS + TREE_METHODS
 # keys of our own, beside vLLM's: "adaptive" (bool, default true), "verify_cost" (float),
-# "medusa_tree" and "lookup_branch" (int >= 0; tree methods)
-OWN_KEYS = {"adaptive", "verify_cost", "medusa_tree", "lookup_branch"}
+# "medusa_tree" and "lookup_branch" (int >= 0; tree methods), "min_draft_prob" (eagle, 0 <= p < 1)
+OWN_KEYS = {"adaptive", "verify_cost", "medusa_tree", "lookup_branch", "min_draft_prob"}
 
 
 def validate_spec_config(config: SpecConfig) -> None:
@@ -59,6 +59,9 @@ def validate_spec_config(config: SpecConfig) -> None:
     branch = config.extra.get("lookup_branch", 0)
     if not isinstance(branch, int) or isinstance(branch, bool) or branch < 0:
         raise ValueError(f"speculative_config.lookup_branch: must be an integer >= 0, got {branch!r}")
+    min_prob = config.extra.get("min_draft_prob", 0.0)
+    if not isinstance(min_prob, (int, float)) or isinstance(min_prob, bool) or not 0 <= min_prob < 1:
+        raise ValueError(f"speculative_config.min_draft_prob: must be a number in [0, 1), got {min_prob!r}")
     if not isinstance(config.extra.get("adaptive", True), bool):
         raise ValueError("speculative_config.adaptive: must be true or false")
     unknown = sorted(set(config.extra) - OWN_KEYS)

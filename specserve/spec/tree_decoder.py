@@ -54,7 +54,8 @@ def make_tree_proposer(config: SpecConfig, engine):
             raise ValueError("speculative_config.model: the shipped EAGLE head is for the default "
                              "model; name a head trained for this target")
         return EagleProposer(model, config.model, m, depth=min(4, m) if config.depth is None else config.depth,
-                             topk=2 if config.topk is None else config.topk, max_positions=engine.max_model_len + 64)
+                             topk=2 if config.topk is None else config.topk, max_positions=engine.max_model_len + 64,
+                             min_prob=config.extra.get("min_draft_prob", MIN_DRAFT_PROB))
     if config.method == "medusa":
         from specserve.spec.medusa import MedusaProposer
 
@@ -65,6 +66,7 @@ def make_tree_proposer(config: SpecConfig, engine):
 
 
 LOOKUP_BRANCH = 4  # default n-gram chain length grafted onto each tree (0: off)
+MIN_DRAFT_PROB = 0.0  # eagle: nodes whose cumulative draft probability is below this are cut
 
 
 class TreeSpecDecoder(SpecDecoder):
