@@ -15,12 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     import torch
 
+    from benchmarks._runner import default_runner
     import specserve.model.attention as attention
-    from specserve.config import DEFAULT_MODEL, CacheConfig, ModelConfig
-    from specserve.kv_cache.manager import KVCacheManager
-    from specserve.model.arch import ModelArch
-    from specserve.model.loader import resolve_model_dir
-    from specserve.model.runner import ModelRunner
     from specserve.request import Request, SamplingParams
     from specserve.scheduler.scheduler import SchedulerOutput
 
@@ -30,9 +26,7 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=400)
     p.add_argument("--runs", type=int, default=5)
     args = p.parse_args()
-    model_dir = resolve_model_dir(DEFAULT_MODEL)
-    runner = ModelRunner(model_dir, ModelArch.from_dir(model_dir), ModelConfig(), CacheConfig(num_blocks=2048), 4096)
-    kv = KVCacheManager(2048, 16, enable_prefix_caching=False)
+    runner, kv = default_runner(2048)
     g = torch.Generator().manual_seed(0)
 
     def request(rid: str, n: int) -> Request:
