@@ -219,7 +219,7 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
 
 def test_tree_config_keys_reach_the_proposer(tmp_path):
     from specserve.config import SpecConfig
-    from specserve.spec.tree_decoder import make_tree_proposer
+    from specserve.spec.tree_decoder import MIN_DRAFT_PROB, make_tree_proposer
 
     engine = tiny_llm(tmp_path).engine
     write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
@@ -229,6 +229,10 @@ def test_tree_config_keys_reach_the_proposer(tmp_path):
     prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"),
                                          num_speculative_tokens=6), engine)
     assert (prop.depth, prop.topk) == (4, 2)  # the defaults
+    assert prop.min_score == math.log(MIN_DRAFT_PROB[0])  # CPU: unlikely nodes are cut
+    prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"), num_speculative_tokens=6,
+                                         extra={"min_draft_prob": 0}), engine)
+    assert prop.min_score == -math.inf
 
 
 def test_medusa_tree_is_validated():
