@@ -28,15 +28,21 @@ CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
-def load_prompts(categories: list[str], limit: int | None) -> list[tuple[str, str]]:
-    """(category, first turn) pairs, at most `limit` per category, in file order."""
+def load_prompts(categories: list[str], limit: int | None, mt_bench_split: bool = False) -> list[tuple[str, str]]:
+    """(category, first turn) pairs, at most `limit` per category, in file order. With
+    mt_bench_split, MT-bench questions are reported (and limited) by their own sub-category,
+    as "mt_bench/writing", "mt_bench/roleplay", ..."""
     text = resources.files("specserve").joinpath("data/spec_bench/question.jsonl").read_text()
-    out, seen = [], {c: 0 for c in categories}
+    out, seen = [], {}
     for line in text.splitlines():
         q = json.loads(line)
         cat = "mt_bench" if q["category"] in MT_BENCH else q["category"]
-        if cat in seen and (limit is None or seen[cat] < limit):
-            seen[cat] += 1
+        if cat not in categories:
+            continue
+        if cat == "mt_bench" and mt_bench_split:
+            cat = f"mt_bench/{q['category']}"
+        if limit is None or seen.get(cat, 0) < limit:
+            seen[cat] = seen.get(cat, 0) + 1
             out.append((cat, q["turns"][0]))
     return out
 
@@ -63,6 +69,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="also run method medusa with these heads")
     parser.add_argument("--category", action="append", choices=CATEGORIES, default=None,
                         help="categories to run (repeatable; default: all)")
+    parser.add_argument("--mt-bench-split", action="store_true",
+                        help="report MT-bench by its 8 sub-categories (--limit applies to each)")
     parser.add_argument("--limit", type=int, default=5, help="prompts per category")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=5,
@@ -124,7 +132,8 @@ def run(args: argparse.Namespace) -> dict:
     if variants and not args.eagle:
         raise ValueError("--eagle-variant needs --eagle")
     categories = args.category or CATEGORIES
-    prompts = load_prompts(categories, args.limit)
+    prompts = load_prompts(categories, args.limit, args.mt_bench_split)
+    categories = list(dict.fromkeys(c for c, _ in prompts))  # as reported (sub-categories split)
     common_engine = {"max_model_len": args.max_model_len, "dtype": args.dtype}
     engines = {"none": LLM(args.model, **common_engine)}
     common = {"num_speculative_tokens": args.num_speculative_tokens,
@@ -218,14 +227,16 @@ def _summarise(args, tallies, methods) -> dict:
 
 
 def _print_table(result: dict) -> None:
-    print(f"{'category':<16}{'method':<16}{'e2e tok/s':>10}{'decode tok/s':>13}{'speedup':>9}"
+    cw = 2 + max(len("category"), *(len(r["category"]) for r in result["rows"]))
+    mw = 2 + max(len("method"), *(len(m) for m in result["overall"]))
+    print(f"{'category':<{cw}}{'method':<{mw}}{'e2e tok/s':>10}{'decode tok/s':>13}{'speedup':>9}"
           f"{'acc.len':>9}{'mismatch':>10}")
     for r in result["rows"]:
-        print(f"{r['category']:<16}{r['method']:<16}{r['tokens_per_s']:>10.2f}"
+        print(f"{r['category']:<{cw}}{r['method']:<{mw}}{r['tokens_per_s']:>10.2f}"
               f"{r['decode_tokens_per_s']:>13.2f}{r['speedup']:>9.2f}"
               f"{r['mean_acceptance_length']:>9.2f}{r['mismatches']:>10}")
     for m, o in result["overall"].items():
-        print(f"{'overall':<16}{m:<16}{'':>10}{o['decode_tokens_per_s']:>13.2f}{o['speedup']:>9.2f}")
+        print(f"{'overall':<{cw}}{m:<{mw}}{'':>10}{o['decode_tokens_per_s']:>13.2f}{o['speedup']:>9.2f}")
     print("speedup: decode tokens/s (after the first token) over no speculation")
 
 
