@@ -372,3 +372,38 @@ def test_min_draft_prob_cuts_unlikely_nodes_and_keeps_greedy_output(tmp_path, mo
     ref, _ = decode(runner, kv, NoDrafts(), prompts, 16)
     got, _ = decode(runner, kv, prop, prompts, 16)
     assert got == ref and kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_lookup_branch_length_follows_its_acceptance(tmp_path):
+    from specserve.config import SpecConfig
+    from specserve.spec.draft_tree import DraftTree
+    from specserve.spec.tree_decoder import TreeSpecDecoder
+
+    tree = DraftTree([4, 5, 6, 7], [-1, 0, -1, 2]).graft([6, 7, 8, 9], 6)
+    assert tree.path_of([6, 7, 8, 9]) == [2, 3, 4, 5] and tree.path_of([4, 9]) == [0] and tree.path_of([1]) == []
+    engine = tiny_llm(tmp_path).engine
+    write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
+    prop = EagleProposer(engine.runner.model, tmp_path / "head", 6, depth=3, topk=2)
+
+    def spec_with(adaptive):
+        config = SpecConfig(method="eagle", num_speculative_tokens=6, extra={"lookup_branch": 4, "adaptive": adaptive})
+        return TreeSpecDecoder(config, engine, prop)
+
+    spec, lengths = spec_with(True), []
+    for chain, k, path in [([2, 3, 4, 5], 6, [2, 3, 4, 5]),  # whole chain accepted: 4 -> 8
+                           ([0, 1, 2, 3, 4, 5, 6, 7], 8, list(range(8))),  # again: 8 -> 16
+                           (list(range(16)), 20, list(range(16))),  # capped at 4 L = 16
+                           ([1, 2], 4, [0]),  # first chain token rejected: halve
+                           ([1, 2], 4, [1, 2]),  # cut short, all accepted but shorter: keep
+                           ([1], 4, []), ([1], 4, []), ([1], 4, [])]:  # down to L / 2 = 2
+        spec._chain_nodes = {"r": chain}
+        spec._adapt_branch("r", k, path)
+        lengths.append(spec._branch["r"])
+    assert lengths == [8, 16, 16, 8, 8, 4, 2, 2]
+    spec._chain_nodes = {"r": [0, 1, 2, 3]}
+    spec._adapt_branch("r", 2, [0, 1])  # the scheduler kept 2 of its nodes, both accepted: 2 -> 4
+    assert spec._branch["r"] == 4
+    fixed = spec_with(False)
+    fixed._chain_nodes = {"r": [0, 1, 2, 3]}
+    fixed._adapt_branch("r", 6, [0, 1, 2, 3])
+    assert "r" not in fixed._branch  # "adaptive": false keeps lookup_branch

@@ -57,6 +57,17 @@ class DraftTree:
             at = nxt
         return DraftTree(tokens, parents)
 
+    def path_of(self, chain: Sequence[int]) -> list[int]:
+        """Node indices of the longest prefix of `chain` that is a path from the root."""
+        kids = {(p, t): i for i, (t, p) in enumerate(zip(self.tokens, self.parents))}
+        path, at = [], -1
+        for tok in chain:
+            at = kids.get((at, tok), -2)
+            if at < 0:
+                break
+            path.append(at)
+        return path
+
     @property
     def depth(self) -> list[int]:
         """Depth of each node: 1 for a child of the committed tokens."""

@@ -15,6 +15,9 @@ this class supplies the three speculative hooks for draft trees:
     each tree (shared prefixes merge), so text that repeats the context (summaries, RAG
     answers, edits) is drafted as well as the head drafts fresh text; a request whose head
     the TreeGate has paused still gets the lookup chain alone, which costs no head pass.
+    With "adaptive" (the default) each request's chain length follows its own acceptance:
+    it doubles (up to 4 L) when the whole chain was accepted and halves (down to L / 2) when
+    its first token was rejected, so copied text gets long chains and fresh text short ones.
 Noise is a pure function of (request seed, position, column), as in the plain sampler.
 """
 
@@ -84,8 +87,11 @@ class TreeSpecDecoder(SpecDecoder):
                       if self.lookup else None)
         self._head_ran: set[str] = set()  # requests the head drafted for this step (a tree or none)
         self.trees: dict[str, DraftTree] = {}
+        self._branch: dict[str, int] = {}  # per-request lookup chain length (adaptive)
+        self._chain_nodes: dict[str, list[int]] = {}  # tree nodes of this step's grafted chain
         self._seen: set[str] = set()  # requests the proposer holds state for
-        self.gate = TreeGate(config.extra.get("adaptive", True))
+        self.adaptive = config.extra.get("adaptive", True)
+        self.gate = TreeGate(self.adaptive)
         self._propose_end = 0.0
         self._propose_s = 0.0
 
@@ -152,6 +158,7 @@ class TreeSpecDecoder(SpecDecoder):
 
             for k_cache, v_cache in self.engine.runner.kv_caches:
                 compact_kv(k_cache, v_cache, src, dst)
+        self._adapt_branch(req.request_id, k, verdict.path)
         rows = [0] + [c + 1 for c in verdict.path]
         # features of the committed tokens computed this step: prompt rest, root, accepted path
         self.proposer.observe(req, start, hidden[list(range(num_before)) + [num_before + r for r in rows]])
@@ -164,6 +171,18 @@ class TreeSpecDecoder(SpecDecoder):
             return tokens, None
         ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
         return tokens, gather_logprobs(logits[rows], ids, [req.params.logprobs] * len(tokens))
+
+    def _adapt_branch(self, rid: str, k: int, path: list[int]) -> None:
+        """Lookup chain length: double when the whole chain (as scheduled) was accepted, halve
+        when its first token was rejected."""
+        nodes = [i for i in self._chain_nodes.pop(rid, []) if i < k]
+        if not nodes or not self.adaptive:
+            return
+        length, accepted = self._branch.get(rid, self.lookup), set(path)
+        if nodes[0] not in accepted:
+            self._branch[rid] = max(1, self.lookup // 2, length // 2)
+        elif all(i in accepted for i in nodes) and len(nodes) >= length:
+            self._branch[rid] = min(4 * self.lookup, 2 * length)
 
     def _count(self, req: Request, k: int, accepted: int) -> None:
         stats = self.engine._stats
@@ -178,6 +197,7 @@ class TreeSpecDecoder(SpecDecoder):
         for rid in [r for r in self._seen if r not in live]:  # finished or aborted
             self._seen.discard(rid)
             self.trees.pop(rid, None)
+            self._branch.pop(rid, None)
             self.proposer.free(rid)
         head, lookup_only = [], []  # (request, room for drafts)
         max_len = self.engine.max_model_len
@@ -197,10 +217,13 @@ class TreeSpecDecoder(SpecDecoder):
         if self.ngram is not None:
             both = head + lookup_only
             reqs, trees = [r for r, _ in both], trees + [None] * len(lookup_only)
-            chains = self.ngram.propose(reqs, [min(self.lookup, n) for _, n in both])
-            for i, ((_, room), chain) in enumerate(zip(both, chains)):
+            lengths = [min(self._branch.get(r.request_id, self.lookup), n) for r, n in both]
+            chains = self.ngram.propose(reqs, lengths)
+            self._chain_nodes = {}
+            for i, ((req, room), chain) in enumerate(zip(both, chains)):
                 if chain is not None and (trees[i] is None or trees[i].probs is None):
                     trees[i] = (trees[i] or DraftTree([], [])).graft(chain.tokens, room)
+                    self._chain_nodes[req.request_id] = trees[i].path_of(chain.tokens)
         for req, tree in zip(reqs, trees):
             if tree is None or not len(tree):
                 continue
