@@ -44,17 +44,12 @@ class DraftTree:
         in all (the tree's own nodes first). One-hot only: grafting needs probs None."""
         assert self.probs is None, "graft: trees with draft probabilities cannot take foreign nodes"
         tokens, parents = list(self.tokens[:limit]), list(self.parents[:limit])
-        kids: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
-        at = -1
-        for tok in chain:
-            nxt = kids.get((at, tok))
-            if nxt is None:
-                if len(tokens) >= limit:
-                    break
-                tokens.append(tok)
-                parents.append(at)
-                nxt = len(tokens) - 1
-            at = nxt
+        path = DraftTree(tokens, parents).path_of(chain)  # the chain's prefix already in the tree
+        at = path[-1] if path else -1
+        for tok in list(chain)[len(path):len(path) + limit - len(tokens)]:
+            tokens.append(tok)
+            parents.append(at)
+            at = len(tokens) - 1
         return DraftTree(tokens, parents)
 
     def path_of(self, chain: Sequence[int]) -> list[int]:
