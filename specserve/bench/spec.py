@@ -64,7 +64,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="also run eagle as 'eagle-NAME' with these speculative_config keys on top "
                              "(repeatable), e.g. p05='{\"min_draft_prob\": 0.05}'")
     parser.add_argument("--eagle-head-only", action="store_true",
-                        help="also run eagle with lookup_branch 0 (as 'eagle-head-only')")
+                        help="also run eagle with lookup_branch 0 (as 'eagle-head-only'; same as "
+                             "--eagle-variant 'head-only={\"lookup_branch\": 0}')")
     parser.add_argument("--medusa", default=None, metavar="HEADS_DIR",
                         help="also run method medusa with these heads")
     parser.add_argument("--category", action="append", choices=CATEGORIES, default=None,
@@ -129,8 +130,10 @@ def run(args: argparse.Namespace) -> dict:
     from specserve import LLM, SamplingParams
 
     variants = _variants(args.eagle_variant)  # checked before any model loads
+    if args.eagle_head_only:
+        variants.insert(0, ("head-only", {"lookup_branch": 0}))
     if variants and not args.eagle:
-        raise ValueError("--eagle-variant needs --eagle")
+        raise ValueError("--eagle-variant and --eagle-head-only need --eagle")
     categories = args.category or CATEGORIES
     prompts = load_prompts(categories, args.limit, args.mt_bench_split)
     categories = list(dict.fromkeys(c for c, _ in prompts))  # as reported (sub-categories split)
@@ -149,16 +152,13 @@ def run(args: argparse.Namespace) -> dict:
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
     if args.lookup_branch is not None:
         tree["lookup_branch"] = args.lookup_branch
-    if args.min_draft_prob is not None:
-        tree["min_draft_prob"] = args.min_draft_prob
     if args.eagle:
         eagle = {"method": "eagle", **tree}
         if args.eagle != "default":
             eagle["model"] = args.eagle
+        if args.min_draft_prob is not None:
+            eagle["min_draft_prob"] = args.min_draft_prob
         engines["eagle"] = LLM(args.model, **common_engine, speculative_config=eagle)
-        if args.eagle_head_only:
-            engines["eagle-head-only"] = LLM(args.model, **common_engine,
-                                             speculative_config={**eagle, "lookup_branch": 0})
         for name, keys in variants:
             engines[f"eagle-{name}"] = LLM(args.model, **common_engine, speculative_config={**eagle, **keys})
     if args.medusa:

@@ -35,6 +35,7 @@ METHODS = CHAIN_METHODS + TREE_METHODS
 # keys of our own, beside vLLM's: "adaptive" (bool, default true), "verify_cost" (float),
 # "medusa_tree" and "lookup_branch" (int >= 0; tree methods), "min_draft_prob" (eagle, 0 <= p < 1)
 OWN_KEYS = {"adaptive", "verify_cost", "medusa_tree", "lookup_branch", "min_draft_prob"}
+KEY_METHODS = {"lookup_branch": TREE_METHODS, "min_draft_prob": ("eagle",), "medusa_tree": ("medusa",)}
 
 
 def validate_spec_config(config: SpecConfig) -> None:
@@ -56,6 +57,10 @@ def validate_spec_config(config: SpecConfig) -> None:
         value = getattr(config, key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"speculative_config.{key}: must be an integer >= 1, got {value!r}")
+    for key, methods in KEY_METHODS.items():  # a key the method would ignore is a mistake
+        if key in config.extra and config.method not in methods:
+            raise ValueError(f"speculative_config.{key}: applies to method {' or '.join(methods)}, "
+                             f"not {config.method!r}")
     branch = config.extra.get("lookup_branch", 0)
     if not isinstance(branch, int) or isinstance(branch, bool) or branch < 0:
         raise ValueError(f"speculative_config.lookup_branch: must be an integer >= 0, got {branch!r}")
