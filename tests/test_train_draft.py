@@ -72,3 +72,9 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed at step" in again.stderr + again.stdout
     assert {f: f.stat().st_mtime for f in data.glob("*.pt")} == before  # no data regenerated
+
+
+def test_eagle_only_options_fail_fast_for_medusa(tmp_path):
+    bad = run_cli("--method", "medusa", "--init", str(tmp_path / "head"), "--out", str(tmp_path / "out"))
+    assert bad.returncode == 2 and "--init applies to --method eagle only" in bad.stderr
+    assert not (tmp_path / ".out-work").exists()  # nothing generated or created before the check

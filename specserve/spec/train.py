@@ -277,6 +277,11 @@ def run(args: argparse.Namespace) -> None:
 
     from tqdm import tqdm
 
+    if args.unroll < 1:
+        raise ValueError("train-draft: --unroll must be >= 1")
+    if args.init and args.method != "eagle":
+        raise ValueError("train-draft: --init applies to --method eagle only")
+
     torch.manual_seed(args.seed)
     out = Path(args.out)
     work = Path(args.work_dir) if args.work_dir else out.parent / f".{out.name}-work"
@@ -294,8 +299,12 @@ def run(args: argparse.Namespace) -> None:
     if not seqs:
         raise ValueError(f"train-draft: no training data in {work / 'data'} "
                          "(generate some with --gen-minutes > 0)")
+    held: list[dict] = []  # eagle: kept out of training and of the draft vocabulary
+    if args.method == "eagle" and 0 < args.holdout < len(seqs):
+        held, seqs = seqs[len(seqs) - args.holdout:], seqs[:len(seqs) - args.holdout]
     n_ans = sum(len(s["tokens"]) - s["prompt_len"] for s in seqs)
-    log(f"data: {len(seqs)} sequences, {n_ans} answer tokens from {len(files)} chunks")
+    log(f"data: {len(seqs)} training sequences ({n_ans} answer tokens) and {len(held)} held out, "
+        f"from {len(files)} chunks")
 
     # 2. vocabulary
     arch, embed, lm_head = _target_weights(args.target)
@@ -308,12 +317,8 @@ def run(args: argparse.Namespace) -> None:
         log(f"vocab: {d2t.numel()} draft tokens cover {covered / max(1, n_ans):.3%} of answer tokens")
 
     # 3. model, optimiser, checkpoint
-    if args.unroll < 1:
-        raise ValueError("train-draft: --unroll must be >= 1")
     report = None  # logs the held-out agreement by depth (eagle)
     if args.method == "eagle":
-        n_held = args.holdout if 0 < args.holdout < len(seqs) else 0
-        held, seqs = seqs[len(seqs) - n_held:], seqs[:len(seqs) - n_held]
         from specserve.spec.eagle_head import EagleHead, head_arch_from_target
 
         if args.init:
