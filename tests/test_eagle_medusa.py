@@ -214,7 +214,7 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
     sampled = llm.generate(prompts, SamplingParams(temperature=0.9, max_tokens=20, seed=7, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 20 for o in sampled)
     assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
-    assert not engine.spec.trees and not engine.spec._seen
+    assert not engine.spec._tracks
 
 
 def test_tree_config_keys_reach_the_proposer(tmp_path):
@@ -283,7 +283,7 @@ def test_lookup_branch_keeps_greedy_output_with_the_head_paused(tmp_path):
 
         def spy(running):
             propose(running)
-            sizes.extend(len(t) for t in spec.trees.values())
+            sizes.extend(len(t.tree) for t in spec._tracks.values() if t.tree is not None)
 
         spec.propose = spy
         drafts_before = engine.stats.spec_num_drafts
@@ -396,14 +396,16 @@ def test_lookup_branch_length_follows_its_acceptance(tmp_path):
                            ([1, 2], 4, [0]),  # first chain token rejected: halve
                            ([1, 2], 4, [1, 2]),  # cut short, all accepted but shorter: keep
                            ([1], 4, []), ([1], 4, []), ([1], 4, [])]:  # down to L / 2 = 2
-        spec._chain_nodes = {"r": chain}
-        spec._adapt_branch("r", k, path)
-        lengths.append(spec._branch["r"])
+        track = spec._track("r")
+        track.chain_nodes = chain
+        spec._adapt_branch(track, k, path)
+        lengths.append(track.branch)
     assert lengths == [8, 16, 16, 8, 8, 4, 2, 2]
-    spec._chain_nodes = {"r": [0, 1, 2, 3]}
-    spec._adapt_branch("r", 2, [0, 1])  # the scheduler kept 2 of its nodes, both accepted: 2 -> 4
-    assert spec._branch["r"] == 4
-    fixed = spec_with(False)
-    fixed._chain_nodes = {"r": [0, 1, 2, 3]}
-    fixed._adapt_branch("r", 6, [0, 1, 2, 3])
-    assert "r" not in fixed._branch  # "adaptive": false keeps lookup_branch
+    track.chain_nodes = [0, 1, 2, 3]
+    spec._adapt_branch(track, 2, [0, 1])  # the scheduler kept 2 of its nodes, both accepted: 2 -> 4
+    assert track.branch == 4 and track.chain_nodes == []
+    fixed_spec = spec_with(False)
+    fixed = fixed_spec._track("r")
+    fixed.chain_nodes = [0, 1, 2, 3]
+    fixed_spec._adapt_branch(fixed, 6, [0, 1, 2, 3])
+    assert fixed.branch == 4  # "adaptive": false keeps lookup_branch

@@ -24,6 +24,7 @@ Noise is a pure function of (request seed, position, column), as in the plain sa
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +78,14 @@ LOOKUP_BRANCH = 4  # default n-gram chain length grafted onto each tree (0: off)
 MIN_DRAFT_PROB = (0.15, 0.0)
 
 
+@dataclass
+class _Track:
+    """What the decoder keeps for one request between its steps."""
+    tree: DraftTree | None = None  # the last tree proposed (the scheduler may keep a prefix)
+    branch: int = 0  # lookup chain length (adaptive)
+    chain_nodes: list[int] = field(default_factory=list)  # tree nodes of this step's grafted chain
+
+
 class TreeSpecDecoder(SpecDecoder):
     def __init__(self, config: SpecConfig, engine, proposer=None) -> None:
         super().__init__(config, engine)
@@ -86,17 +95,19 @@ class TreeSpecDecoder(SpecDecoder):
         self.ngram = (NgramProposer(self.lookup, config.prompt_lookup_min, config.prompt_lookup_max)
                       if self.lookup else None)
         self._head_ran: set[str] = set()  # requests the head drafted for this step (a tree or none)
-        self.trees: dict[str, DraftTree] = {}
-        self._branch: dict[str, int] = {}  # per-request lookup chain length (adaptive)
-        self._chain_nodes: dict[str, list[int]] = {}  # tree nodes of this step's grafted chain
-        self._seen: set[str] = set()  # requests the proposer holds state for
+        self._tracks: dict[str, _Track] = {}  # requests the proposer holds state for
         self.adaptive = config.extra.get("adaptive", True)
         self.gate = TreeGate(self.adaptive)
         self._propose_end = 0.0
         self._propose_s = 0.0
 
+    def _track(self, rid: str) -> _Track:
+        if rid not in self._tracks:
+            self._tracks[rid] = _Track(branch=self.lookup)
+        return self._tracks[rid]
+
     def _tree(self, req: Request, k: int) -> DraftTree:
-        t = self.trees[req.request_id]
+        t = self._tracks[req.request_id].tree
         return DraftTree(t.tokens[:k], t.parents[:k])
 
     def tree_parents(self, sched: SchedulerOutput) -> list[list[int] | None] | None:
@@ -117,7 +128,7 @@ class TreeSpecDecoder(SpecDecoder):
             start = req.num_computed_tokens
             if row < 0:  # mid-prefill chunk: every token is committed
                 self.proposer.observe(req, start, step.all_hidden[off:off + n])
-                self._seen.add(req.request_id)
+                self._track(req.request_id)
                 results.append(None)
             else:
                 results.append(self._verify_one(req, start, k, step.logits[row:row + k + 1],
@@ -158,11 +169,10 @@ class TreeSpecDecoder(SpecDecoder):
 
             for k_cache, v_cache in self.engine.runner.kv_caches:
                 compact_kv(k_cache, v_cache, src, dst)
-        self._adapt_branch(req.request_id, k, verdict.path)
+        self._adapt_branch(self._track(req.request_id), k, verdict.path)
         rows = [0] + [c + 1 for c in verdict.path]
         # features of the committed tokens computed this step: prompt rest, root, accepted path
         self.proposer.observe(req, start, hidden[list(range(num_before)) + [num_before + r for r in rows]])
-        self._seen.add(req.request_id)
         self._count(req, k, len(verdict.path))
         if req.request_id in self._head_ran:  # a head that found no likely node scores 1 token
             self.gate.observe(req, len(verdict.path) + 1)
@@ -172,17 +182,18 @@ class TreeSpecDecoder(SpecDecoder):
         ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
         return tokens, gather_logprobs(logits[rows], ids, [req.params.logprobs] * len(tokens))
 
-    def _adapt_branch(self, rid: str, k: int, path: list[int]) -> None:
+    def _adapt_branch(self, track: _Track, k: int, path: list[int]) -> None:
         """Lookup chain length: double when the whole chain (as scheduled) was accepted, halve
         when its first token was rejected."""
-        nodes = [i for i in self._chain_nodes.pop(rid, []) if i < k]
+        nodes = [i for i in track.chain_nodes if i < k]
+        track.chain_nodes = []
         if not nodes or not self.adaptive:
             return
-        length, accepted = self._branch.get(rid, self.lookup), set(path)
+        length, accepted = track.branch, set(path)
         if nodes[0] not in accepted:
-            self._branch[rid] = max(1, self.lookup // 2, length // 2)
+            track.branch = max(1, self.lookup // 2, length // 2)
         elif all(i in accepted for i in nodes) and len(nodes) >= length:
-            self._branch[rid] = min(4 * self.lookup, 2 * length)
+            track.branch = min(4 * self.lookup, 2 * length)
 
     def _count(self, req: Request, k: int, accepted: int) -> None:
         stats = self.engine._stats
@@ -194,10 +205,8 @@ class TreeSpecDecoder(SpecDecoder):
     def propose(self, running: list[Request]) -> None:
         start = time.perf_counter()
         live = self.engine.requests
-        for rid in [r for r in self._seen if r not in live]:  # finished or aborted
-            self._seen.discard(rid)
-            self.trees.pop(rid, None)
-            self._branch.pop(rid, None)
+        for rid in [r for r in self._tracks if r not in live]:  # finished or aborted
+            del self._tracks[rid]
             self.proposer.free(rid)
         head, lookup_only = [], []  # (request, room for drafts)
         max_len = self.engine.max_model_len
@@ -217,17 +226,17 @@ class TreeSpecDecoder(SpecDecoder):
         if self.ngram is not None:
             both = head + lookup_only
             reqs, trees = [r for r, _ in both], trees + [None] * len(lookup_only)
-            lengths = [min(self._branch.get(r.request_id, self.lookup), n) for r, n in both]
-            chains = self.ngram.propose(reqs, lengths)
-            self._chain_nodes = {}
-            for i, ((req, room), chain) in enumerate(zip(both, chains)):
+            tracks = [self._track(r.request_id) for r in reqs]
+            chains = self.ngram.propose(reqs, [min(t.branch, n) for t, (_, n) in zip(tracks, both)])
+            for i, ((req, room), chain, track) in enumerate(zip(both, chains, tracks)):
+                track.chain_nodes = []
                 if chain is not None and (trees[i] is None or trees[i].probs is None):
                     trees[i] = (trees[i] or DraftTree([], [])).graft(chain.tokens, room)
-                    self._chain_nodes[req.request_id] = trees[i].path_of(chain.tokens)
+                    track.chain_nodes = trees[i].path_of(chain.tokens)
         for req, tree in zip(reqs, trees):
             if tree is None or not len(tree):
                 continue
-            self.trees[req.request_id] = tree
+            self._track(req.request_id).tree = tree
             req.spec_token_ids = list(tree.tokens)
             req.spec_draft_probs = None
         self._propose_end = time.perf_counter()
