@@ -72,6 +72,17 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed at step" in again.stderr + again.stdout
     assert {f: f.stat().st_mtime for f in data.glob("*.pt")} == before  # no data regenerated
+    first = json.loads((work / "self_instruct.json").read_text())
+    assert first["requested"] == 3
+    i = common.index("--self-instruct")
+    grow = [*common[:i + 1], "8", *common[i + 2:]]  # 3 -> 8 prompts: 6 new seed words, none repeated
+    more = run_cli(*grow, "--resume", "--epochs", "3")
+    assert more.returncode == 0, more.stderr[-2000:]
+    grown = json.loads((work / "self_instruct.json").read_text())
+    assert grown["requested"] == 8 and grown["prompts"][:len(first["prompts"])] == first["prompts"]
+    assert len(grown["prompts"]) > len(first["prompts"])
+    assert all(f.stat().st_mtime == t for f, t in before.items())  # earlier chunks kept
+    assert len(list(data.glob("si_*.pt"))) > len([f for f in before if f.name.startswith("si_")])
 
 
 def test_eagle_only_options_fail_fast_for_medusa(tmp_path):

@@ -73,7 +73,7 @@ def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
     import torch
 
     from specserve.spec.train_data import (document_prompts, generate_chunks, instruction_prompts,
-                                           self_instruct_prompts)
+                                           self_instruct_prompts, self_instruct_words)
 
     data = work / "data"
     deadline = time.time() + 60 * args.gen_minutes
@@ -89,10 +89,16 @@ def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
                     args.max_tokens, deadline, log)
     if args.self_instruct > 0 and time.time() < deadline:
         path = work / "self_instruct.json"
-        if not path.exists():
-            path.write_text(json.dumps(self_instruct_prompts(llm, args.self_instruct, args.seed, log), indent=0))
-        generate_chunks(llm, json.loads(path.read_text()), data, args.chunk, args.max_tokens, deadline,
-                        log, prefix="si")
+        saved = json.loads(path.read_text()) if path.exists() else {"requested": 0, "prompts": []}
+        if isinstance(saved, list):  # written before the set could grow
+            saved = {"requested": len(saved), "prompts": saved}
+        have = saved["requested"]
+        if args.self_instruct > have:  # a new set, or a larger one: new seed words only
+            new = self_instruct_prompts(llm, args.self_instruct - have, args.seed, log,
+                                        skip=self_instruct_words(have))
+            saved = {"requested": args.self_instruct, "prompts": list(dict.fromkeys(saved["prompts"] + new))}
+            path.write_text(json.dumps(saved, indent=0))
+        generate_chunks(llm, saved["prompts"], data, args.chunk, args.max_tokens, deadline, log, prefix="si")
     if args.doc_prompts > 0 and time.time() < deadline:
         path = work / "doc_prompts.json"
         if not path.exists():  # documents: the answers on disk (decoded once, then kept)

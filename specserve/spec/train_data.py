@@ -141,14 +141,20 @@ ASK = ["Write one question that a curious person might ask an assistant about '{
        "Write one request for help with a task that involves '{w}'."]
 
 
-def self_instruct_prompts(llm, n: int, seed: int = 0, log=print) -> list[str]:
+def self_instruct_words(n: int) -> int:
+    """Seed words spent on n self-instruct prompts (some answers are not usable prompts)."""
+    return n + n // 4
+
+
+def self_instruct_prompts(llm, n: int, seed: int = 0, log=print, skip: int = 0) -> list[str]:
     """Up to n prompts written by the target, greedily (the seed words make them differ), one
     per seed word: the first line of each answer (or its longest quoted part), when 12-300
-    characters long."""
+    characters long. skip: seed words already spent (by an earlier call with the same seed),
+    so a set can grow without repeating them."""
     from specserve.request import SamplingParams
 
-    rng = random.Random(seed)
-    words = seed_words(llm.get_tokenizer(), n + n // 4, seed)
+    rng = random.Random(seed + skip)
+    words = seed_words(llm.get_tokenizer(), skip + self_instruct_words(n), seed)[skip:]
     convs = [[{"role": "user", "content": rng.choice(ASK).format(w=w)}] for w in words]
     outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=True)
     prompts: dict[str, None] = {}  # first occurrence order, no repeats
