@@ -229,7 +229,7 @@ def test_tree_config_keys_reach_the_proposer(tmp_path):
     prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"),
                                          num_speculative_tokens=6), engine)
     assert (prop.depth, prop.topk) == (4, 2)  # the defaults
-    assert prop.min_score == math.log(MIN_DRAFT_PROB[0])  # CPU: unlikely nodes are cut
+    assert prop.min_score == math.log(MIN_DRAFT_PROB["cpu"])  # CPU: unlikely nodes are cut
     prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"), num_speculative_tokens=6,
                                          extra={"min_draft_prob": 0}), engine)
     assert prop.min_score == -math.inf
