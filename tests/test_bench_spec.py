@@ -1,4 +1,5 @@
-"""specserve bench spec: prompt selection and option checks (no model runs here)."""
+"""specserve bench spec: prompt selection and option checks (no model runs there); the step
+breakdown benchmark on a tiny random model."""
 
 import pytest
 
@@ -20,3 +21,15 @@ def test_eagle_variants_parse_or_fail_clearly():
     for bad in ['p0', 'p0={"min_draft_prob": ', '={"a": 1}', 'x=[1]']:
         with pytest.raises(ValueError, match="--eagle-variant"):
             _variants([bad])
+
+
+def test_step_breakdown_times_every_decode_step(tmp_path):
+    from benchmarks.step_breakdown import measure
+    from tests.test_eagle_medusa import tiny_llm
+
+    llm = tiny_llm(tmp_path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # something to look up
+    r = measure(llm, [prompt, prompt[:6]], max_tokens=12)
+    assert 0 < r["forward_ms"] <= r["ms_per_step"] and r["propose_ms"] > 0 and r["verify_ms"] > 0
+    assert r["rows_per_step"] >= 1 and r["tokens_per_step"] >= 1 and r["forward_ms_by_rows"]
+    assert set(r["forward_ms_by_rows"]) <= set(range(1, 5))  # the root plus up to 3 drafts

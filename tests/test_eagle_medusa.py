@@ -166,8 +166,9 @@ def test_shipped_head_on_default_model_equals_plain_greedy():
     assert kv.num_free_blocks == kv.num_total_blocks
 
 
-def tiny_llm(tmp_path: Path):
-    """The engine on a tiny random model (the default model's tokenizer, ids < 96)."""
+def tiny_llm(tmp_path: Path, **kwargs):
+    """The engine on a tiny random model (the default model's tokenizer, ids < 96); kwargs go
+    to LLM (e.g. speculative_config)."""
     import shutil
 
     from specserve import LLM
@@ -181,7 +182,7 @@ def tiny_llm(tmp_path: Path):
             shutil.copy(f, model_dir / f.name)
     (model_dir / "config.json").write_text(json.dumps({**TINY, "eos_token_id": 95}))
     return LLM(str(model_dir), load_format="dummy", seed=3, max_model_len=256, num_blocks=96,
-               block_size=4)
+               block_size=4, **kwargs)
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
