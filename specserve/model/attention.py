@@ -264,29 +264,45 @@ class InvariantAttention:
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # the "logical" layout gathers keys pre-padded to whole chunks, always with a mask
         queries, keys, values, group = _gather_dense(q, k_cache, v_cache, meta)
-        mask = _per_group(meta, "dense_mask", group)
-        index = _per_group(meta, "logical_index", group)
-        rows, length = queries.shape[2], keys.shape[2]
-        step = max(1, self.MAX_SCORES // (queries.shape[0] * queries.shape[1] * length))
+        b, h, rows = queries.shape[:3]
+        length = keys.shape[2]
+        step = max(1, self.MAX_SCORES // (b * h * length))
+        memo = meta.__dict__.setdefault("_per_group", {})
         outs = []
         for r in range(0, rows, step):
             sl = slice(r, min(rows, r + step))
-            outs.append(self._rows(queries[:, :, sl], keys, values, mask[:, :, sl],
-                                   None if index is None else index[:, :, sl],
-                                   meta.logical_start, scale))
+            key = ("invariant rows", group, sl.start, sl.stop, b, h, length)
+            if key not in memo:  # the same for every layer of the step: built once
+                memo[key] = self._plan(meta, group, sl, b, h, length)
+            outs.append(self._rows(queries[:, :, sl], keys, values, memo[key], scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return _scatter_dense(out, meta, group, q.shape[0])
 
-    def _rows(self, queries, keys, values, mask, index, logical_start, scale):
+    def _plan(self, meta: AttentionMetadata, group: int, sl: slice, b: int, h: int, length: int):
+        """What a block of query rows needs beside the data: the blocked (masked-out) keys, the
+        logical order of the keys (trees), the number of leading chunks in dense (= logical)
+        order, and the rows of values.view(B*H*L, D) the other chunks read, in logical order."""
+        blocked = ~_per_group(meta, "dense_mask", group)[:, :, sl]
+        index = _per_group(meta, "logical_index", group)
+        index = None if index is None else index[:, :, sl]
+        c = self.CHUNK
+        shared = length // c if index is None else meta.logical_start // c
+        flat = None
+        if shared < length // c:  # row (b * H + h) * L + logical key of values.view(B*H*L, D)
+            base = torch.arange(b * h, device=index.device).view(b, h, 1, 1) * length
+            flat = (index[..., shared * c:] + base).reshape(-1)
+        return blocked, index, shared, flat
+
+    def _rows(self, queries, keys, values, plan, scale):
+        blocked, index, shared, flat = plan
         b, h, m, d = queries.shape
         c = self.CHUNK
         n = keys.shape[2] // c
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, H, M, L]
         if index is not None:
             scores = scores.gather(-1, index.expand(b, h, m, -1))
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(blocked, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(queries.dtype)
-        shared = n if index is None else logical_start // c  # chunks in dense (= logical) order
         parts = []
         if shared:
             p = probs[..., :shared * c].reshape(b, h, m, shared, c).transpose(2, 3)
@@ -294,9 +310,6 @@ class InvariantAttention:
                          .transpose(2, 3))  # [B, H, M, shared, D]
         if shared < n:  # per-row values in logical order for the chunks a tree reaches
             tail = n - shared
-            # rows of values.view(B*H*L, D): (b * H + h) * L + logical key
-            base = torch.arange(b * h, device=values.device).view(b, h, 1, 1) * values.shape[2]
-            flat = (index[..., shared * c:] + base).reshape(-1)
             v_rows = values.reshape(-1, d).index_select(0, flat).view(b, h, m, tail, c, d)
             p = probs[..., shared * c:].reshape(b, h, m, tail, 1, c)
             parts.append(torch.matmul(p, v_rows).squeeze(-2))  # [B, H, M, tail, D]
