@@ -39,7 +39,7 @@ def measure(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     def timed_execute(sched, tree_parents=None):
         start = time.perf_counter()
         out = execute(sched, tree_parents)
-        if sched.total_tokens == len(sched) + sum(sched.num_drafts):  # decode-only step
+        if sched.decode_only:
             seconds = time.perf_counter() - start
             acc["forward"] += seconds
             acc["steps"] += 1

@@ -32,6 +32,11 @@ class SchedulerOutput:
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
+    @property
+    def decode_only(self) -> bool:
+        """Every request computes one committed token plus its drafts (no prefill chunk)."""
+        return self.total_tokens == len(self.requests) + sum(self.num_drafts)
+
     def __len__(self) -> int:
         return len(self.requests)
 

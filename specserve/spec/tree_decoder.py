@@ -117,7 +117,7 @@ class TreeSpecDecoder(SpecDecoder):
 
     # -- verification -----------------------------------------------------------------------
     def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:
-        if self._propose_end and sched.total_tokens == len(sched) + sum(sched.num_drafts):
+        if self._propose_end and sched.decode_only:
             # a decode-only step: its cost is the target forward plus the drafting before it
             trees = bool(self._head_ran)  # lookup chains alone cost no head pass: plain
             seconds = time.perf_counter() - self._propose_end + (self._propose_s if trees else 0.0)
