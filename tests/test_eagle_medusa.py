@@ -251,12 +251,14 @@ def test_graft_merges_a_chain_into_a_tree():
     from specserve.spec.draft_tree import DraftTree
 
     tree = DraftTree([10, 11, 12, 13], [-1, -1, 0, 1])  # 10 -> 12, 11 -> 13
-    merged = tree.graft([10, 12, 7, 8], limit=10)  # shares 10 -> 12, then new nodes
+    merged, path = tree.graft([10, 12, 7, 8], limit=10)  # shares 10 -> 12, then new nodes
     assert merged.tokens == [10, 11, 12, 13, 7, 8]
     assert merged.parents == [-1, -1, 0, 1, 2, 4]
-    assert tree.graft([5, 6], limit=5).tokens == [10, 11, 12, 13, 5]  # the limit cuts the graft
-    assert tree.graft([5], limit=2).tokens == [10, 11]  # ... and the tree itself, parents first
-    assert DraftTree([], []).graft([3, 4], limit=8).is_chain
+    assert path == [0, 2, 4, 5]  # the chain's nodes in the merged tree
+    cut, path = tree.graft([5, 6], limit=5)
+    assert cut.tokens == [10, 11, 12, 13, 5] and path == [4]  # the limit cuts the graft
+    assert tree.graft([5], limit=2)[0].tokens == [10, 11]  # ... and the tree itself, parents first
+    assert DraftTree([], []).graft([3, 4], limit=8)[0].is_chain
 
 
 def test_lookup_branch_keeps_greedy_output_with_the_head_paused(tmp_path):
@@ -377,11 +379,12 @@ def test_min_draft_prob_cuts_unlikely_nodes_and_keeps_greedy_output(tmp_path, mo
 
 def test_lookup_branch_length_follows_its_acceptance(tmp_path):
     from specserve.config import SpecConfig
-    from specserve.spec.draft_tree import DraftTree
+    from specserve.spec.draft_tree import DraftTree, path_of
     from specserve.spec.tree_decoder import TreeSpecDecoder
 
-    tree = DraftTree([4, 5, 6, 7], [-1, 0, -1, 2]).graft([6, 7, 8, 9], 6)
-    assert tree.path_of([6, 7, 8, 9]) == [2, 3, 4, 5] and tree.path_of([4, 9]) == [0] and tree.path_of([1]) == []
+    tree, chain_nodes = DraftTree([4, 5, 6, 7], [-1, 0, -1, 2]).graft([6, 7, 8, 9], 6)
+    assert chain_nodes == path_of(tree.tokens, tree.parents, [6, 7, 8, 9]) == [2, 3, 4, 5]
+    assert path_of(tree.tokens, tree.parents, [4, 9]) == [0] and path_of(tree.tokens, tree.parents, [1]) == []
     engine = tiny_llm(tmp_path).engine
     write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
     prop = EagleProposer(engine.runner.model, tmp_path / "head", 6, depth=3, topk=2)

@@ -37,31 +37,22 @@ class DraftTree:
     def chain(tokens: Sequence[int], probs: torch.Tensor | None = None) -> "DraftTree":
         return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), probs)
 
-    def graft(self, chain: Sequence[int], limit: int) -> "DraftTree":
+    def graft(self, chain: Sequence[int], limit: int) -> tuple["DraftTree", list[int]]:
         """This tree with `chain` (tokens that would follow the committed ones) merged in as a
         path from the root: it follows existing nodes while they match and appends the rest
         after every existing node, so parents still precede children. At most `limit` nodes
-        in all (the tree's own nodes first). One-hot only: grafting needs probs None."""
+        in all (the tree's own nodes first). Returns the tree and the chain's node indices in
+        it (a prefix of the chain where the limit cut it). One-hot only: needs probs None."""
         assert self.probs is None, "graft: trees with draft probabilities cannot take foreign nodes"
         tokens, parents = list(self.tokens[:limit]), list(self.parents[:limit])
-        path = DraftTree(tokens, parents).path_of(chain)  # the chain's prefix already in the tree
+        path = path_of(tokens, parents, chain)  # the chain's prefix already in the tree
         at = path[-1] if path else -1
         for tok in list(chain)[len(path):len(path) + limit - len(tokens)]:
             tokens.append(tok)
             parents.append(at)
             at = len(tokens) - 1
-        return DraftTree(tokens, parents)
-
-    def path_of(self, chain: Sequence[int]) -> list[int]:
-        """Node indices of the longest prefix of `chain` that is a path from the root."""
-        kids = {(p, t): i for i, (t, p) in enumerate(zip(self.tokens, self.parents))}
-        path, at = [], -1
-        for tok in chain:
-            at = kids.get((at, tok), -2)
-            if at < 0:
-                break
             path.append(at)
-        return path
+        return DraftTree(tokens, parents), path
 
     @property
     def depth(self) -> list[int]:
@@ -94,3 +85,16 @@ class Proposer(Protocol):
 
     def propose(self, requests: list[Request], max_drafts: list[int]) -> list[DraftTree | None]:
         ...
+
+
+def path_of(tokens: Sequence[int], parents: Sequence[int], chain: Sequence[int]) -> list[int]:
+    """Node indices of the longest prefix of `chain` that is a path from the root of the tree
+    (tokens, parents)."""
+    kids = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
+    path, at = [], -1
+    for tok in chain:
+        at = kids.get((at, tok), -2)
+        if at < 0:
+            break
+        path.append(at)
+    return path

@@ -231,8 +231,7 @@ class TreeSpecDecoder(SpecDecoder):
             for i, ((req, room), chain, track) in enumerate(zip(both, chains, tracks)):
                 track.chain_nodes = []
                 if chain is not None and (trees[i] is None or trees[i].probs is None):
-                    trees[i] = (trees[i] or DraftTree([], [])).graft(chain.tokens, room)
-                    track.chain_nodes = trees[i].path_of(chain.tokens)
+                    trees[i], track.chain_nodes = (trees[i] or DraftTree([], [])).graft(chain.tokens, room)
         for req, tree in zip(reqs, trees):
             if tree is None or not len(tree):
                 continue
