@@ -1,4 +1,7 @@
-"""The default model's ModelRunner and a KV cache manager for the step-level benchmarks."""
+"""The default model's ModelRunner and a KV cache manager for the step-level benchmarks, and a
+timer to wrap the calls they split a step into."""
+
+import time
 
 
 def default_runner(num_blocks: int, max_model_len: int = 4096):
@@ -12,3 +15,13 @@ def default_runner(num_blocks: int, max_model_len: int = 4096):
     runner = ModelRunner(model_dir, ModelArch.from_dir(model_dir), ModelConfig(), CacheConfig(num_blocks=num_blocks),
                          max_model_len)
     return runner, KVCacheManager(num_blocks, 16, enable_prefix_caching=False)
+
+
+def timed(totals: dict, key: str, fn):
+    """fn, adding the seconds of each call to totals[key]."""
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+        return out
+    return wrapper

@@ -9,7 +9,6 @@ Each config is a speculative_config; e.g. --config 'p0={"method": "eagle", "min_
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -18,14 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _timed(acc: dict, key: str, fn):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        acc[key] += time.perf_counter() - start
-        return out
-    return wrapper
+from benchmarks._runner import timed  # noqa: E402
 
 
 def measure(llm, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -49,8 +41,8 @@ def measure(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 
     engine.runner.execute = timed_execute
     if engine.spec is not None:
-        engine.spec.propose = _timed(acc, "propose", engine.spec.propose)
-        engine.spec.sample_and_verify = _timed(acc, "verify", engine.spec.sample_and_verify)
+        engine.spec.propose = timed(acc, "propose", engine.spec.propose)
+        engine.spec.sample_and_verify = timed(acc, "verify", engine.spec.sample_and_verify)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate({"prompt_token_ids": prompts[0]}, params)  # warm-up
     acc.clear()
@@ -70,7 +62,8 @@ def measure(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 
 def main() -> None:
     from specserve import LLM
-    from specserve.bench.spec import load_prompts
+    from specserve.bench.spec import load_prompts, named_configs
+    from specserve.config import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--category", default="mt_bench")
@@ -78,13 +71,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--config", action="append", default=[], metavar="NAME=JSON")
     args = p.parse_args()
-    configs = {"none": None}
-    for spec in args.config or ['eagle={"method": "eagle"}']:
-        name, _, text = spec.partition("=")
-        configs[name] = json.loads(text)
+    configs = [("none", None), *named_configs(args.config or ['eagle={"method": "eagle"}'], "--config")]
     rows = []
-    for name, config in configs.items():  # one engine at a time: the others' memory is freed
-        llm = LLM("smollm2-135m-instruct", max_model_len=4096, speculative_config=config)
+    for name, config in configs:  # one engine at a time: the others' memory is freed
+        llm = LLM(DEFAULT_MODEL, max_model_len=4096, speculative_config=config)
         prompts = [llm.apply_chat_template([{"role": "user", "content": t}])
                    for _, t in load_prompts([args.category], args.limit)]
         rows.append((name, measure(llm, prompts, args.max_tokens)))
@@ -101,4 +91,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # a malformed --config or speculative_config
+        sys.exit(f"step_breakdown: error: {e}")

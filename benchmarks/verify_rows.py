@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     import torch
 
-    from benchmarks._runner import default_runner
+    from benchmarks._runner import default_runner, timed
     from specserve.request import Request, SamplingParams
     from specserve.scheduler.scheduler import SchedulerOutput
 
@@ -35,19 +35,10 @@ def main() -> None:
     req.spec_token_ids = torch.randint(0, 40000, (max(args.rows),), generator=g).tolist()
 
     timers: dict[str, float] = {}
-
-    def timed(name, fn):
-        def wrapper(*a, **kw):
-            start = time.perf_counter()
-            out = fn(*a, **kw)
-            timers[name] = timers.get(name, 0.0) + time.perf_counter() - start
-            return out
-        return wrapper
-
     backend = runner.backend
     backend_call = type(backend).__call__
-    type(backend).__call__ = timed("attention", backend_call)
-    runner.model.compute_logits = timed("lm_head", runner.model.compute_logits)
+    type(backend).__call__ = timed(timers, "attention", backend_call)
+    runner.model.compute_logits = timed(timers, "lm_head", runner.model.compute_logits)
 
     def step(k: int, tree: bool):
         parents = None

@@ -3,7 +3,7 @@ breakdown benchmark on a tiny random model."""
 
 import pytest
 
-from specserve.bench.spec import CATEGORIES, MT_BENCH, _variants, load_prompts
+from specserve.bench.spec import CATEGORIES, MT_BENCH, load_prompts, named_configs
 
 
 def test_prompts_per_category_and_mt_bench_split():
@@ -16,11 +16,13 @@ def test_prompts_per_category_and_mt_bench_split():
 
 
 def test_eagle_variants_parse_or_fail_clearly():
-    assert _variants(['p0={"min_draft_prob": 0}', 'm12={"num_speculative_tokens": 12}']) == [
+    assert named_configs(['p0={"min_draft_prob": 0}', 'm12={"num_speculative_tokens": 12}']) == [
         ("p0", {"min_draft_prob": 0}), ("m12", {"num_speculative_tokens": 12})]
     for bad in ['p0', 'p0={"min_draft_prob": ', '={"a": 1}', 'x=[1]']:
         with pytest.raises(ValueError, match="--eagle-variant"):
-            _variants([bad])
+            named_configs([bad])
+    with pytest.raises(ValueError, match="--config 'x'"):  # the option that was wrong is named
+        named_configs(["x"], "--config")
 
 
 def test_step_breakdown_times_every_decode_step(tmp_path):

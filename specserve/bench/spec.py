@@ -86,17 +86,17 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _variants(specs: list[str]) -> list[tuple[str, dict]]:
-    """--eagle-variant NAME=JSON values -> [(name, keys)]; a malformed one is a clear error."""
+def named_configs(specs: list[str], option: str = "--eagle-variant") -> list[tuple[str, dict]]:
+    """NAME=JSON option values -> [(name, keys)]; a malformed one is a clear error."""
     out = []
     for spec in specs:
         name, _, text = spec.partition("=")
         try:
             keys = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--eagle-variant {spec!r}: expected NAME=JSON ({e})") from None
+            raise ValueError(f"{option} {spec!r}: expected NAME=JSON ({e})") from None
         if not name or not isinstance(keys, dict):
-            raise ValueError(f"--eagle-variant {spec!r}: expected NAME=JSON with a JSON object")
+            raise ValueError(f"{option} {spec!r}: expected NAME=JSON with a JSON object")
         out.append((name, keys))
     return out
 
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from specserve import LLM, SamplingParams
 
-    variants = _variants(args.eagle_variant)  # checked before any model loads
+    variants = named_configs(args.eagle_variant)  # checked before any model loads
     if args.eagle_head_only:
         variants.insert(0, ("head-only", {"lookup_branch": 0}))
     if variants and not args.eagle:
