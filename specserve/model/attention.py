@@ -267,14 +267,12 @@ class InvariantAttention:
         b, h, rows = queries.shape[:3]
         length = keys.shape[2]
         step = max(1, self.MAX_SCORES // (b * h * length))
-        memo = meta.__dict__.setdefault("_per_group", {})
         outs = []
         for r in range(0, rows, step):
             sl = slice(r, min(rows, r + step))
-            key = ("invariant rows", group, sl.start, sl.stop, b, h, length)
-            if key not in memo:  # the same for every layer of the step: built once
-                memo[key] = self._plan(meta, group, sl, b, h, length)
-            outs.append(self._rows(queries[:, :, sl], keys, values, memo[key], scale))
+            plan = _step_cached(meta, ("rows", group, sl.start, sl.stop),
+                                lambda: self._plan(meta, group, sl, b, h, length))
+            outs.append(self._rows(queries[:, :, sl], keys, values, plan, scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return _scatter_dense(out, meta, group, q.shape[0])
 
@@ -367,11 +365,16 @@ def _per_group(meta: AttentionMetadata, name: str, group: int) -> torch.Tensor |
     value = getattr(meta, name)
     if value is None:
         return None
-    cache = meta.__dict__.setdefault("_per_group", {})
-    if (name, group) not in cache:
-        rows = value if value.dim() == 4 else value.unsqueeze(1)
-        cache[(name, group)] = rows.repeat(1, 1, group, 1)
-    return cache[(name, group)]
+    rows = value if value.dim() == 4 else value.unsqueeze(1)
+    return _step_cached(meta, (name, group), lambda: rows.repeat(1, 1, group, 1))
+
+
+def _step_cached(meta: AttentionMetadata, key: tuple, build):
+    """build(), once per step: values derived from the step's metadata that every layer uses."""
+    cache = meta.__dict__.setdefault("_step_cache", {})
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
 
 
 class TritonAttention:
