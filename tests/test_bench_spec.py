@@ -25,6 +25,20 @@ def test_eagle_variants_parse_or_fail_clearly():
         named_configs(["x"], "--config")
 
 
+def test_options_no_engine_would_read_are_errors():
+    import argparse
+
+    from specserve.bench.spec import add_args, run
+
+    parser = add_args(argparse.ArgumentParser())
+    for argv, message in [(["--min-draft-prob", "0.1"], "--min-draft-prob needs --eagle"),
+                          (["--lookup-branch", "2"], "--lookup-branch needs --eagle or --medusa"),
+                          (["--mt-bench-split", "--category", "qa"], "--mt-bench-split needs the mt_bench"),
+                          (["--eagle-variant", 'p0={"min_draft_prob": 0}'], "--eagle-variant .* need --eagle")]:
+        with pytest.raises(ValueError, match=message):  # raised before any model loads
+            run(parser.parse_args(argv))
+
+
 def test_step_breakdown_times_every_decode_step(tmp_path):
     from benchmarks.step_breakdown import measure
     from tests.test_eagle_medusa import tiny_llm

@@ -134,7 +134,13 @@ def run(args: argparse.Namespace) -> dict:
         variants.insert(0, ("head-only", {"lookup_branch": 0}))
     if variants and not args.eagle:
         raise ValueError("--eagle-variant and --eagle-head-only need --eagle")
+    if args.min_draft_prob is not None and not args.eagle:  # options no engine would read
+        raise ValueError("--min-draft-prob needs --eagle")
+    if args.lookup_branch is not None and not (args.eagle or args.medusa):
+        raise ValueError("--lookup-branch needs --eagle or --medusa")
     categories = args.category or CATEGORIES
+    if args.mt_bench_split and "mt_bench" not in categories:
+        raise ValueError("--mt-bench-split needs the mt_bench category")
     prompts = load_prompts(categories, args.limit, args.mt_bench_split)
     categories = list(dict.fromkeys(c for c, _ in prompts))  # as reported (sub-categories split)
     common_engine = {"max_model_len": args.max_model_len, "dtype": args.dtype}
