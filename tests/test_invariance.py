@@ -75,7 +75,9 @@ class _Cache:
         return list(out.split(qlen))
 
 
-@pytest.mark.parametrize("prefix", [5, 63, 64, 200, 700])
+# 1021 and 1100: more than 16 chunks of keys (the chunk sums run in blocks of 16), and verify
+# rows on both sides of a chunk boundary
+@pytest.mark.parametrize("prefix", [5, 63, 64, 200, 700, 1021, 1100])
 def test_verify_rows_equal_single_decodes(prefix):
     cache = _Cache(num_reqs=3, length=max(prefix + 8, 120), seed=prefix)
     decodes = [cache.run([(0, prefix + i, 1)])[0][0] for i in range(6)]
@@ -90,8 +92,9 @@ def test_verify_rows_equal_single_decodes(prefix):
     assert torch.equal(split, verify)
 
 
-def test_tree_nodes_equal_decoding_their_path():
-    prefix = 90
+# 1021: the tree's nodes straddle the boundary of chunks 15 and 16 (and of the first 16)
+@pytest.mark.parametrize("prefix", [90, 1021])
+def test_tree_nodes_equal_decoding_their_path(prefix):
     #        0
     #      /   \
     #     1     2
@@ -101,7 +104,7 @@ def test_tree_nodes_equal_decoding_their_path():
     #   6
     parents = [-1, 0, 0, 1, 1, 2, 3]
     paths = [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 2, 5], [0, 1, 3, 6]]
-    cache = _Cache(num_reqs=2, length=prefix + 16, seed=1)
+    cache = _Cache(num_reqs=2, length=max(prefix + 16, 120), seed=1)
     # node j's q/k/v are taken from source position prefix + j
     tree = cache.run([(1, 30, 1), (0, prefix, len(parents))], tree_parents=[None, parents],
                      order=[None, [prefix + j for j in range(len(parents))]])[1]

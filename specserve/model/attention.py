@@ -242,11 +242,13 @@ class InvariantAttention:
       a row's position get -inf, and the key axis is padded to a multiple of CHUNK so the
       softmax sums always run over whole vectors (extra exact zeros change nothing);
     * P @ V per chunk of CHUNK key positions (a GEMM with a fixed reduction length), and the
-      chunk partials summed in position order by a cumulative sum, whose trailing all-zero
-      chunks leave the total unchanged;
+      chunk partials summed in an order fixed by chunk position (`_sum_chunks`), in which
+      trailing all-zero chunks leave the total unchanged;
     * a tree node sees its ancestors at consecutive positions after the prefix (as plain
-      decoding would have written them), so its scores are permuted into that order
-      (`logical_index`) and the chunks past the tree's prefix use per-row gathered values.
+      decoding would have written them), so its scores past the tree's prefix are permuted
+      into that order (`logical_index`), and so are its values: the chunks before the tree
+      are shared by all rows, each tree position has its own copy of the chunks after, and
+      one batched GEMM covers both.
 
     The same arithmetic in float32 is not invariant (MKL's sgemm takes different paths for
     1, 2-3 and 4+ rows), so float32 keeps TorchAttention.
@@ -263,56 +265,88 @@ class InvariantAttention:
 
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # the "logical" layout gathers keys pre-padded to whole chunks, always with a mask
-        queries, keys, values, group = _gather_dense(q, k_cache, v_cache, meta)
-        b, h, rows = queries.shape[:3]
-        length = keys.shape[2]
-        step = max(1, self.MAX_SCORES // (b * h * length))
+        tree = meta.logical_index is not None  # values are gathered per block of rows, below
+        queries, keys, values, group = _gather_dense(q, k_cache, v_cache, meta, values=not tree)
+        b, h, rows, d = queries.shape
+        length, max_q = keys.shape[2], meta.max_query_len
+        # blocks of query positions, each with its G folded heads: [B, H, G, Q, D]
+        queries = queries.view(b, h, group, max_q, d)
+        step = max(1, self.MAX_SCORES // (b * h * group * length))
         outs = []
-        for r in range(0, rows, step):
-            sl = slice(r, min(rows, r + step))
+        for r in range(0, max_q, step):
+            sl = slice(r, min(max_q, r + step))
             plan = _step_cached(meta, ("rows", group, sl.start, sl.stop),
-                                lambda: self._plan(meta, group, sl, b, h, length))
-            outs.append(self._rows(queries[:, :, sl], keys, values, plan, scale))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return _scatter_dense(out, meta, group, q.shape[0])
+                                lambda: self._plan(meta, sl, group, length))
+            if tree:
+                values = v_cache.view(-1, h, d).index_select(0, plan[3]).view(b, -1, h, d).transpose(1, 2)
+            outs.append(self._rows(queries[:, :, :, sl], keys, values, plan, scale))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
+        return _scatter_dense(out.reshape(b, h, rows, d), meta, group, q.shape[0])
 
-    def _plan(self, meta: AttentionMetadata, group: int, sl: slice, b: int, h: int, length: int):
-        """What a block of query rows needs beside the data: the blocked (masked-out) keys, the
-        logical order of the keys (trees), the number of leading chunks in dense (= logical)
-        order, and the rows of values.view(B*H*L, D) the other chunks read, in logical order."""
-        blocked = ~_per_group(meta, "dense_mask", group)[:, :, sl]
-        index = _per_group(meta, "logical_index", group)
-        index = None if index is None else index[:, :, sl]
+    def _plan(self, meta: AttentionMetadata, sl: slice, group: int, length: int):
+        """What a block of M query positions needs beside the data: the blocked (masked-out)
+        keys [B, 1, 1, M, L] and the number of leading chunks in dense (= logical) order. With
+        trees, the other (tail) chunks are in each position's logical order: the order of its
+        keys [B, 1, 1, M, tail] (offset to the first of them); the cache slots of its values,
+        the shared chunks once and then every position's own tail chunks; and for each of the
+        G*M rows the value chunks its partial sums come from [1, 1, G*M, chunks, 1]."""
+        blocked = ~meta.dense_mask[:, :, sl].unsqueeze(1)
+        index = meta.logical_index
         c = self.CHUNK
-        shared = length // c if index is None else meta.logical_start // c
-        flat = None
-        if shared < length // c:  # row (b * H + h) * L + logical key of values.view(B*H*L, D)
-            base = torch.arange(b * h, device=index.device).view(b, h, 1, 1) * length
-            flat = (index[..., shared * c:] + base).reshape(-1)
-        return blocked, index, shared, flat
+        if index is None:
+            return blocked, length // c, None, None, None
+        shared, n = meta.logical_start // c, length // c
+        tail = index[:, sl, shared * c:]  # [B, M, tail]
+        b, m = tail.shape[:2]
+        slots = meta.gather_slots
+        slots = torch.cat([slots[:, :shared * c], slots.gather(1, tail.reshape(b, -1))], dim=1)
+        # value chunks: the shared ones, then each position's own tail chunks; the probabilities
+        # of a value chunk are those of its key chunk, for every row
+        prob_chunks = torch.cat([torch.arange(shared), torch.arange(shared, n).repeat(m)])
+        # row (g, j) takes the partial sums of chunk i from value chunk i (shared) or from
+        # position j's own copy of it: element (value chunk, row) of the [chunks, G*M] output
+        row_pos = torch.arange(m).repeat(group)
+        chunk = torch.arange(n)[:, None].expand(n, group * m)
+        chunk = torch.where(chunk < shared, chunk, chunk + row_pos[None, :] * (n - shared))
+        picks = (chunk * group * m + torch.arange(group * m)).reshape(-1)
+        to = tail.device
+        return (blocked, shared, (tail - shared * c)[:, None, None], slots.reshape(-1),
+                (prob_chunks.to(to), picks.to(to)))
 
     def _rows(self, queries, keys, values, plan, scale):
-        blocked, index, shared, flat = plan
-        b, h, m, d = queries.shape
+        """Attention for queries [B, H, G, M, D] over keys [B, H, L, D] and values [B, H, L, D]
+        (trees: [B, H, (shared + M * tail) * CHUNK, D], the plan's value slots)."""
+        blocked, shared, index, _, chunks = plan
+        b, h, g, m, d = queries.shape
         c = self.CHUNK
         n = keys.shape[2] // c
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, H, M, L]
-        if index is not None:
-            scores = scores.gather(-1, index.expand(b, h, m, -1))
+        scores = torch.matmul(queries.reshape(b, h, g * m, d), keys.transpose(-1, -2))
+        scores = (scores.float() * scale).view(b, h, g, m, -1)  # [B, H, G, M, L]
+        if index is not None:  # keys past the shared chunks in each row's logical order
+            tail = scores[..., shared * c:]
+            tail.copy_(tail.gather(-1, index.expand(b, h, g, m, -1)))
         scores = scores.masked_fill(blocked, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(queries.dtype)
-        parts = []
-        if shared:
-            p = probs[..., :shared * c].reshape(b, h, m, shared, c).transpose(2, 3)
-            parts.append(torch.matmul(p, values[:, :, :shared * c].reshape(b, h, shared, c, d))
-                         .transpose(2, 3))  # [B, H, M, shared, D]
-        if shared < n:  # per-row values in logical order for the chunks a tree reaches
-            tail = n - shared
-            v_rows = values.reshape(-1, d).index_select(0, flat).view(b, h, m, tail, c, d)
-            p = probs[..., shared * c:].reshape(b, h, m, tail, 1, c)
-            parts.append(torch.matmul(p, v_rows).squeeze(-2))  # [B, H, M, tail, D]
-        part = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
-        return part.float().cumsum(dim=3)[:, :, :, -1].to(queries.dtype)
+        probs = probs.view(b, h, g * m, n, c).transpose(2, 3)  # [B, H, chunks, G*M, CHUNK]
+        if index is None:  # one GEMM per chunk of CHUNK keys: [B, H, chunks, G*M, D]
+            part = torch.matmul(probs, values.reshape(b, h, n, c, d))
+        else:  # the shared value chunks, then every position's own tail chunks, in one batched
+            # GEMM for every row; each row then keeps the partial sums of its own position's
+            prob_chunks, picks = chunks
+            part = torch.matmul(probs.index_select(2, prob_chunks), values.reshape(b, h, -1, c, d))
+            part = part.view(b, h, -1, d).index_select(2, picks).view(b, h, n, g * m, d)
+        # chunk partials summed in an order fixed by chunk position (see _sum_chunks)
+        out = _sum_chunks(part).to(queries.dtype)
+        return out.view(b, h, g, m, d)
+
+
+def _sum_chunks(part: torch.Tensor) -> torch.Tensor:
+    """part [B, H, chunks, R, D] (bfloat16 partial sums per chunk of keys) -> [B, H, R, D] in
+    float32. torch's CPU sum over an outer dimension whose inner extent is a multiple of the
+    vector width adds runs of 16 chunks in order and then the runs in order: each value's order
+    depends only on chunk positions, and trailing all-zero chunks (keys a row does not see)
+    leave it unchanged, so a row's sum does not depend on the number of chunks or rows."""
+    return part.sum(dim=2, dtype=torch.float32)
 
 
 def _attend_dense(attend, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -330,9 +364,9 @@ def _attend_dense(attend, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sc
     return out
 
 
-def _gather_dense(q, k_cache, v_cache, meta: AttentionMetadata):
+def _gather_dense(q, k_cache, v_cache, meta: AttentionMetadata, values: bool = True):
     """Gather each request's context: queries [B, Hkv, G*Q, D] and keys/values [B, Hkv, L, D]
-    (G query heads per KV head folded into the row axis)."""
+    (G query heads per KV head folded into the row axis; values None unless asked for)."""
     num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv
     flat_k = k_cache.view(-1, num_kv, head_dim)
@@ -341,7 +375,10 @@ def _gather_dense(q, k_cache, v_cache, meta: AttentionMetadata):
     max_q = meta.max_query_len
     slots = meta.gather_slots.view(-1)
     keys = flat_k.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
-    values = flat_v.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
+    if values:
+        values = flat_v.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
+    else:
+        values = None
     if q.shape[0] != num_reqs * max_q:
         q = q.new_zeros(num_reqs * max_q, q.shape[1], head_dim).index_copy_(0, meta.query_dest, q)
     # [B*Q, Hkv*G, D] -> [B, Hkv, G*Q, D]
@@ -359,9 +396,8 @@ def _scatter_dense(out: torch.Tensor, meta: AttentionMetadata, group: int, total
 
 
 def _per_group(meta: AttentionMetadata, name: str, group: int) -> torch.Tensor | None:
-    """A per-query-row field of the step (dense_mask [B, 1, Q, L], logical_index [B, Q, L])
-    repeated for the G folded query heads: [B, 1, G*Q, L]. Built once per step, every layer
-    reuses it."""
+    """A per-query-row field of the step (dense_mask [B, 1, Q, L]) repeated for the G folded
+    query heads: [B, 1, G*Q, L]. Built once per step, every layer reuses it."""
     value = getattr(meta, name)
     if value is None:
         return None
