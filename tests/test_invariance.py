@@ -9,7 +9,7 @@ the two pieces that carry that property, on the machine that runs the suite: the
 import pytest
 import torch
 
-from specserve.model.attention import AttentionMetadata, InvariantAttention
+from specserve.model.attention import AttentionMetadata, InvariantAttention, _sum_chunks
 from specserve.model.llama import Linear
 from specserve.model.runner import cpu_has_native_bf16
 
@@ -33,6 +33,19 @@ def test_linear_rows_do_not_depend_on_the_batch(shape):
             assert torch.equal(layer(x[:m]), full[:m]), m
         for j in range(24):
             assert torch.equal(layer(x[j:j + 1])[0], full[j]), j
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_chunk_sums_do_not_depend_on_rows_or_trailing_chunks(head_dim):
+    torch.manual_seed(0)
+    part = (torch.randn(2, 3, 37, 12, head_dim) * torch.rand(1, 1, 37, 1, 1) * 100).to(BF16)
+    full = _sum_chunks(part)
+    for rows in (1, 3, 5, 9):
+        assert torch.equal(_sum_chunks(part[:, :, :, :rows].contiguous()), full[:, :, :rows]), rows
+    zeros = torch.zeros(2, 3, 30, 12, head_dim, dtype=BF16)
+    for chunks in (5, 16, 17, 33):
+        head = part[:, :, :chunks].contiguous()
+        assert torch.equal(_sum_chunks(torch.cat([head, zeros], 2)), _sum_chunks(head)), chunks
 
 
 class _Cache:

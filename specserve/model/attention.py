@@ -345,7 +345,12 @@ def _sum_chunks(part: torch.Tensor) -> torch.Tensor:
     float32. torch's CPU sum over an outer dimension whose inner extent is a multiple of the
     vector width adds runs of 16 chunks in order and then the runs in order: each value's order
     depends only on chunk positions, and trailing all-zero chunks (keys a row does not see)
-    leave it unchanged, so a row's sum does not depend on the number of chunks or rows."""
+    leave it unchanged, so a row's sum does not depend on the number of chunks or rows. (Head
+    sizes that are not a multiple of 64 are padded to one: the vector paths then cover every
+    column alike, whatever the number of rows.)"""
+    pad = -part.shape[-1] % 64
+    if pad:
+        return F.pad(part, (0, pad)).sum(dim=2, dtype=torch.float32)[..., :part.shape[-1]]
     return part.sum(dim=2, dtype=torch.float32)
 
 
