@@ -16,7 +16,7 @@ from specserve.model.arch import ModelArch
 from specserve.model.runner import ModelRunner
 from specserve.request import Request, SamplingParams
 from specserve.spec.eagle import DEFAULT_EAGLE_DIR, EagleProposer
-from specserve.spec.eagle_head import EagleHead
+from specserve.spec.eagle_head import EagleHead, HeadKV
 from specserve.spec.heads_io import load_eagle, save_eagle
 from specserve.spec.medusa import MedusaProposer
 from specserve.spec.tree import prefill_step, tree_spec_step
@@ -296,6 +296,25 @@ def test_lookup_branch_keeps_greedy_output_with_the_head_paused(tmp_path):
         if not paused:
             assert max(sizes) > 6  # lookup nodes grafted beside the head's 6
         assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
+
+
+def test_head_kv_buffers_match_the_head_over_the_whole_sequence():
+    """Drafting feeds the head a few pairs at a time through HeadKV (grown as it fills, read in
+    place); the outputs equal one causal pass over the whole sequence."""
+    torch.manual_seed(0)
+    head = EagleHead(ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
+    t, hidden = 150, TINY["hidden_size"]
+    feats, embeds, pos = torch.randn(1, t, hidden), torch.randn(1, t, hidden), torch.arange(t)
+    with torch.no_grad():
+        whole = head(feats, embeds, pos)[0]
+        buffers, outs, start = HeadKV(), [], 0
+        for size in (5, 1, 60, 2, 82):  # grows past 64 and 128 entries
+            end = start + size
+            mask = None if start == 0 else torch.ones(1, size, end, dtype=torch.bool).tril(start)
+            outs.append(head(feats[:, start:end], embeds[:, start:end], pos[start:end], mask=mask,
+                             kv=(buffers, start))[0])
+            start = end
+    torch.testing.assert_close(torch.cat(outs, 1), whole)
 
 
 def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):

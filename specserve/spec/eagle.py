@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from specserve.spec.draft_tree import DraftTree
+from specserve.spec.eagle_head import HeadKV
 
 DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smollm2-135m"
 
@@ -43,8 +44,8 @@ DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smo
 class _HeadCache:
     base: int = 0  # position of feats[0]: > 0 after a prefix-cache hit (no features before it)
     feats: list[torch.Tensor] = field(default_factory=list)  # target features f_base.., each [hidden]
-    keys: torch.Tensor | None = None  # [1, P, Hkv, D] head keys of committed pairs
-    values: torch.Tensor | None = None
+    kv: HeadKV = field(default_factory=HeadKV)  # head K/V: the committed pairs, then a tree
+    pairs: int = 0  # P: committed pairs in kv
     last_out: torch.Tensor | None = None  # [hidden] head output of pair P - 1 (f_hat_P)
 
 
@@ -90,8 +91,8 @@ class EagleProposer:
 
     @staticmethod
     def _truncate_pairs(c: _HeadCache, num_pairs: int) -> None:
-        if c.keys is not None and c.keys.shape[1] > num_pairs:
-            c.keys, c.values = c.keys[:, :num_pairs], c.values[:, :num_pairs]
+        if c.pairs > num_pairs:
+            c.pairs = num_pairs
             c.last_out = None
 
     # -- drafting ---------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ class EagleProposer:
         b, n = c.base, len(tokens) - 1 - c.base  # n: number of pairs up to the last token
         if n < 1 or len(c.feats) < n:
             return None
-        p = 0 if c.keys is None else c.keys.shape[1]
+        p = c.pairs
         if p == n and c.last_out is not None:
             return c.last_out
         if p == n:  # rolled back exactly to here: recompute the last pair
@@ -122,9 +123,8 @@ class EagleProposer:
         if p > 0:
             mask = torch.ones(1, n - p, n, dtype=torch.bool, device=self.device)
             mask[0, :, p:] = torch.tril(mask[0, :, p:])
-        out, k, v = self.head(feats, self.embed[ids][None], pos, c.keys, c.values, mask)
-        c.keys = k if c.keys is None else torch.cat([c.keys, k], 1)
-        c.values = v if c.values is None else torch.cat([c.values, v], 1)
+        out, _, _ = self.head(feats, self.embed[ids][None], pos, mask=mask, kv=(c.kv, p))
+        c.pairs = n
         c.last_out = out[0, -1]
         return c.last_out
 
@@ -147,9 +147,8 @@ class EagleProposer:
         frontier = [i for i in range(k) if scores[i] >= self.min_score]  # nodes to expand next
         parent_out = [root] * k  # head output that node i's pair reads (its parent's f_hat)
         anc: list[list[int]] = [[] for _ in range(k)]  # expanded-node rows each node descends from
-        tree_k = tree_v = None
-        num_rows = 0
-        past = c.keys.shape[1]
+        num_rows = 0  # expanded nodes so far: head K/V entries past + 0 .. num_rows - 1
+        past = c.pairs
         for d in range(1, self.depth):
             if not frontier:
                 break
@@ -161,11 +160,7 @@ class EagleProposer:
             mask[0, :, :past] = True
             for j, i in enumerate(frontier):
                 mask[0, j, [past + a for a in anc[i]] + [past + num_rows + j]] = True
-            pk = c.keys if tree_k is None else torch.cat([c.keys, tree_k], 1)
-            pv = c.values if tree_v is None else torch.cat([c.values, tree_v], 1)
-            out, kk, vv = self.head(feats, self.embed[ids][None], pos, pk, pv, mask)
-            tree_k = kk if tree_k is None else torch.cat([tree_k, kk], 1)
-            tree_v = vv if tree_v is None else torch.cat([tree_v, vv], 1)
+            out, _, _ = self.head(feats, self.embed[ids][None], pos, mask=mask, kv=(c.kv, past + num_rows))
             child_lp, child_ix = self._scores(out[0]).topk(k, -1)  # [f, k]
             cum = torch.tensor([scores[i] for i in frontier], device=child_lp.device)[:, None] + child_lp
             child_tok = self._to_target_ids(child_ix).tolist()
