@@ -207,11 +207,24 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
     engine.spec = TreeSpecDecoder(SpecConfig(method=method, num_speculative_tokens=10), engine, prop)
     engine.spec.gate.enabled = False  # a random head's trees never pay: keep verifying them
     engine.spec.log_interval = 0.0
+    shapes = {True: 0, False: 0}  # drafts verified as a chain / as a tree
+    tree_parents = engine.spec.tree_parents
+
+    def checked_tree_parents(sched):  # chains go to the target without tree parents
+        out = tree_parents(sched)
+        for i, (req, k) in enumerate(zip(sched.requests, sched.num_drafts)):
+            if k:
+                chain = engine.spec._tree(req, k).is_chain
+                assert (out is None or out[i] is None) == chain
+                shapes[chain] += 1
+        return out
+
+    engine.spec.tree_parents = checked_tree_parents
     with caplog.at_level(logging.INFO, logger="specserve.spec"):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]  # prefix-cache hits now
     assert "acceptance" in caplog.text.lower()  # the periodic acceptance line
     assert got == ref
-    assert engine.stats.spec_num_drafts > 0
+    assert engine.stats.spec_num_drafts > 0 and shapes[False] > 0
     sampled = llm.generate(prompts, SamplingParams(temperature=0.9, max_tokens=20, seed=7, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 20 for o in sampled)
     assert engine.stats.num_free_blocks == engine.stats.num_total_blocks

@@ -3,7 +3,8 @@
 The engine loop stays as it is (schedule -> execute -> sample_and_verify -> update -> propose);
 this class supplies the three speculative hooks for draft trees:
   * `tree_parents(sched)`: each request's tree (its last committed token as root, then the
-    nodes the scheduler kept: a tree cut to its first k nodes is still a tree);
+    nodes the scheduler kept: a tree cut to its first k nodes is still a tree), None for a
+    chain (causal attention gives the same rows);
   * `sample_and_verify(sched, step)`: every row of every request is processed with the
     request's own sampling parameters (penalties see the node's ancestors), each tree is
     verified with specserve.spec.tree.verify_tree, the accepted path's KV is compacted into
@@ -111,8 +112,13 @@ class TreeSpecDecoder(SpecDecoder):
         return DraftTree(t.tokens[:k], t.parents[:k])
 
     def tree_parents(self, sched: SchedulerOutput) -> list[list[int] | None] | None:
-        out = [[-1] + [p + 1 for p in self._tree(r, k).parents] if k else None
-               for r, k in zip(sched.requests, sched.num_drafts)]
+        """Each request's verify rows as a tree (the last committed token, then the drafts), or
+        None where they form a chain: plain causal attention then gives the same rows, without
+        the tree path's permutations."""
+        out = []
+        for r, k in zip(sched.requests, sched.num_drafts):
+            tree = self._tree(r, k) if k else None
+            out.append(None if tree is None or tree.is_chain else [-1] + [p + 1 for p in tree.parents])
         return out if any(p is not None for p in out) else None
 
     # -- verification -----------------------------------------------------------------------
