@@ -49,3 +49,18 @@ def test_step_breakdown_times_every_decode_step(tmp_path):
     assert 0 < r["forward_ms"] <= r["ms_per_step"] and r["propose_ms"] > 0 and r["verify_ms"] > 0
     assert r["rows_per_step"] >= 1 and r["tokens_per_step"] >= 1 and r["forward_ms_by_rows"]
     assert set(r["forward_ms_by_rows"]) <= set(range(1, 5))  # the root plus up to 3 drafts
+
+
+def test_attention_ab_compares_two_checkouts():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "attention_ab.py"), "--base", str(root),
+                          "--contexts", "70", "--runs", "1", "--check"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert {"decode", "chain4", "tree4", "tree8"} <= {line.split()[1] for line in run.stdout.splitlines()[2:]}
+    bad = subprocess.run([sys.executable, str(root / "benchmarks" / "attention_ab.py"), "--base", "/nonexistent"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "no specserve/model/attention.py" in bad.stderr

@@ -1,0 +1,82 @@
+"""InvariantAttention of this checkout against another checkout's, in one process: one step's
+attention over the default model's shapes (3 KV heads, 3 query heads each, head size 64, 30
+layers) for a decode token, a chain of 4 verify rows and trees of 4 and 8 nodes, at a few
+context lengths. The two versions alternate run by run, so machine drift hits both alike;
+the outputs must be equal where both versions compute the same arithmetic (--check).
+
+    python benchmarks/attention_ab.py --base /path/to/other/checkout [--contexts 300 1500 3000] \\
+        [--runs 25] [--check]
+"""
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CASES = {"decode": None, "chain4": None, "tree4": [-1, 0, 0, 1], "tree8": [-1, 0, 0, 1, 1, 2, 3, 4]}
+
+
+def load_attention(checkout: Path, name: str):
+    path = checkout / "specserve" / "model" / "attention.py"
+    if not path.is_file():
+        raise SystemExit(f"attention_ab: no specserve/model/attention.py under {checkout}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base", type=Path, required=True, help="the other checkout (its root directory)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[300, 1500, 3000])
+    p.add_argument("--runs", type=int, default=25)
+    p.add_argument("--check", action="store_true", help="fail unless both versions give equal outputs")
+    args = p.parse_args()
+    here = Path(__file__).resolve().parents[1]
+    versions = {"base": load_attention(args.base.resolve(), "_attention_base"),
+                "this": load_attention(here, "_attention_this")}
+    kv_heads, group, head_dim, block, layers = 3, 3, 64, 16, 30
+    num_blocks = max(args.contexts) // block + 2
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen).bfloat16()
+    table = list(range(num_blocks))
+    print(f"ms per step of {layers} layers (min / median of {args.runs}), {torch.get_num_threads()} threads")
+    print(f"{'context':>8} {'step':<8}" + "".join(f"{v + ' min':>11}{v + ' med':>11}" for v in versions)
+          + f"{'this/base':>11}")
+    for context in args.contexts:
+        for case, parents in CASES.items():
+            n = len(parents) if parents else (1 if case == "decode" else 4)
+            q = torch.randn(n, kv_heads * group, head_dim, generator=gen).bfloat16()
+            k = torch.randn(n, kv_heads, head_dim, generator=gen).bfloat16()
+            v = torch.randn(n, kv_heads, head_dim, generator=gen).bfloat16()
+            times = {name: [] for name in versions}
+            outs = {}
+            with torch.inference_mode():
+                for _ in range(args.runs + 1):  # the first run warms up
+                    for name, mod in versions.items():
+                        start = time.perf_counter()
+                        meta = mod.AttentionMetadata.build([context + n], [n], [table], block, torch.device("cpu"),
+                                                           "logical", [parents] if parents else None)
+                        backend = mod.InvariantAttention()
+                        for _ in range(layers):
+                            outs[name] = backend(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
+                        times[name].append(time.perf_counter() - start)
+            if args.check and not torch.equal(outs["base"], outs["this"]):
+                raise SystemExit(f"attention_ab: outputs differ ({case}, context {context})")
+            best = {name: min(t[1:]) for name, t in times.items()}
+            cells = "".join(f"{1e3 * best[name]:>11.2f}{1e3 * statistics.median(t[1:]):>11.2f}"
+                            for name, t in times.items())
+            print(f"{context:>8} {case:<8}{cells}{best['this'] / best['base']:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()
