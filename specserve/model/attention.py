@@ -23,6 +23,7 @@ Backends (same interface, chosen by `get_attention_backend`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -204,6 +205,23 @@ def _packed_tree_mask(tree_parents, qlen: np.ndarray, device) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(rows)).to(device)
 
 
+class _RowPlan(NamedTuple):
+    """What InvariantAttention needs for a block of M query positions beside the data, built
+    once per step: the blocked (masked-out) keys [B, 1, 1, M, L] and the number of leading
+    chunks in dense (= logical) order. With trees, the tail chunks after those follow each
+    position's logical order: `index` [B, 1, 1, M, tail keys] orders its scores (offset to
+    the first tail key); `value_slots` [B, (shared + M * tail chunks) * CHUNK] are the cache
+    slots of the shared value chunks and then of every position's own copy of the tail;
+    `prob_chunks` gives each value chunk's key chunk, and `picks` the element (value chunk,
+    row) of the flattened [value chunks * G*M] GEMM output that each (chunk, row) sums."""
+    blocked: torch.Tensor
+    shared: int
+    index: torch.Tensor | None = None
+    value_slots: torch.Tensor | None = None
+    prob_chunks: torch.Tensor | None = None
+    picks: torch.Tensor | None = None
+
+
 class TorchAttention:
     """Reference backend: one SDPA call per layer over the gathered, padded context.
 
@@ -266,7 +284,7 @@ class InvariantAttention:
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # the "logical" layout gathers keys pre-padded to whole chunks, always with a mask
         tree = meta.logical_index is not None  # values are gathered per block of rows, below
-        queries, keys, values, group = _gather_dense(q, k_cache, v_cache, meta, values=not tree)
+        queries, keys, values, group = _gather_dense(q, k_cache, v_cache, meta, with_values=not tree)
         b, h, rows, d = queries.shape
         length, max_q = keys.shape[2], meta.max_query_len
         # blocks of query positions, each with its G folded heads: [B, H, G, Q, D]
@@ -278,25 +296,19 @@ class InvariantAttention:
             plan = _step_cached(meta, ("rows", group, sl.start, sl.stop),
                                 lambda: self._plan(meta, sl, group, length))
             if tree:
-                values = v_cache.view(-1, h, d).index_select(0, plan[3]).view(b, -1, h, d).transpose(1, 2)
+                values = _gather_context(v_cache, plan.value_slots)
             outs.append(self._rows(queries[:, :, :, sl], keys, values, plan, scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
         return _scatter_dense(out.reshape(b, h, rows, d), meta, group, q.shape[0])
 
-    def _plan(self, meta: AttentionMetadata, sl: slice, group: int, length: int):
-        """What a block of M query positions needs beside the data: the blocked (masked-out)
-        keys [B, 1, 1, M, L] and the number of leading chunks in dense (= logical) order. With
-        trees, the other (tail) chunks are in each position's logical order: the order of its
-        keys [B, 1, 1, M, tail] (offset to the first of them); the cache slots of its values,
-        the shared chunks once and then every position's own tail chunks; and for each of the
-        G*M rows the value chunks its partial sums come from [1, 1, G*M, chunks, 1]."""
+    def _plan(self, meta: AttentionMetadata, sl: slice, group: int, length: int) -> "_RowPlan":
         blocked = ~meta.dense_mask[:, :, sl].unsqueeze(1)
         index = meta.logical_index
         c = self.CHUNK
         if index is None:
-            return blocked, length // c, None, None, None
+            return _RowPlan(blocked, length // c)
         shared, n = meta.logical_start // c, length // c
-        tail = index[:, sl, shared * c:]  # [B, M, tail]
+        tail = index[:, sl, shared * c:]  # [B, M, tail keys]
         b, m = tail.shape[:2]
         slots = meta.gather_slots
         slots = torch.cat([slots[:, :shared * c], slots.gather(1, tail.reshape(b, -1))], dim=1)
@@ -310,13 +322,12 @@ class InvariantAttention:
         chunk = torch.where(chunk < shared, chunk, chunk + row_pos[None, :] * (n - shared))
         picks = (chunk * group * m + torch.arange(group * m)).reshape(-1)
         to = tail.device
-        return (blocked, shared, (tail - shared * c)[:, None, None], slots.reshape(-1),
-                (prob_chunks.to(to), picks.to(to)))
+        return _RowPlan(blocked, shared, (tail - shared * c)[:, None, None], slots, prob_chunks.to(to), picks.to(to))
 
     def _rows(self, queries, keys, values, plan, scale):
         """Attention for queries [B, H, G, M, D] over keys [B, H, L, D] and values [B, H, L, D]
-        (trees: [B, H, (shared + M * tail) * CHUNK, D], the plan's value slots)."""
-        blocked, shared, index, _, chunks = plan
+        (trees: [B, H, (shared + M * tail) * CHUNK, D], gathered at plan.value_slots)."""
+        shared, index = plan.shared, plan.index
         b, h, g, m, d = queries.shape
         c = self.CHUNK
         n = keys.shape[2] // c
@@ -325,16 +336,15 @@ class InvariantAttention:
         if index is not None:  # keys past the shared chunks in each row's logical order
             tail = scores[..., shared * c:]
             tail.copy_(tail.gather(-1, index.expand(b, h, g, m, -1)))
-        scores = scores.masked_fill(blocked, float("-inf"))
+        scores = scores.masked_fill(plan.blocked, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(queries.dtype)
         probs = probs.view(b, h, g * m, n, c).transpose(2, 3)  # [B, H, chunks, G*M, CHUNK]
         if index is None:  # one GEMM per chunk of CHUNK keys: [B, H, chunks, G*M, D]
             part = torch.matmul(probs, values.reshape(b, h, n, c, d))
         else:  # the shared value chunks, then every position's own tail chunks, in one batched
             # GEMM for every row; each row then keeps the partial sums of its own position's
-            prob_chunks, picks = chunks
-            part = torch.matmul(probs.index_select(2, prob_chunks), values.reshape(b, h, -1, c, d))
-            part = part.view(b, h, -1, d).index_select(2, picks).view(b, h, n, g * m, d)
+            part = torch.matmul(probs.index_select(2, plan.prob_chunks), values.reshape(b, h, -1, c, d))
+            part = part.view(b, h, -1, d).index_select(2, plan.picks).view(b, h, n, g * m, d)
         # chunk partials summed in an order fixed by chunk position (see _sum_chunks)
         out = _sum_chunks(part).to(queries.dtype)
         return out.view(b, h, g, m, d)
@@ -369,26 +379,27 @@ def _attend_dense(attend, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sc
     return out
 
 
-def _gather_dense(q, k_cache, v_cache, meta: AttentionMetadata, values: bool = True):
+def _gather_dense(q, k_cache, v_cache, meta: AttentionMetadata, with_values: bool = True):
     """Gather each request's context: queries [B, Hkv, G*Q, D] and keys/values [B, Hkv, L, D]
-    (G query heads per KV head folded into the row axis; values None unless asked for)."""
+    (G query heads per KV head folded into the row axis; values None without with_values)."""
     num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv
-    flat_k = k_cache.view(-1, num_kv, head_dim)
-    flat_v = v_cache.view(-1, num_kv, head_dim)
-    num_reqs, max_l = meta.gather_slots.shape
+    num_reqs = meta.gather_slots.shape[0]
     max_q = meta.max_query_len
-    slots = meta.gather_slots.view(-1)
-    keys = flat_k.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
-    if values:
-        values = flat_v.index_select(0, slots).view(num_reqs, max_l, num_kv, head_dim).transpose(1, 2).contiguous()
-    else:
-        values = None
+    keys = _gather_context(k_cache, meta.gather_slots)
+    values = _gather_context(v_cache, meta.gather_slots) if with_values else None
     if q.shape[0] != num_reqs * max_q:
         q = q.new_zeros(num_reqs * max_q, q.shape[1], head_dim).index_copy_(0, meta.query_dest, q)
     # [B*Q, Hkv*G, D] -> [B, Hkv, G*Q, D]
     queries = q.view(num_reqs, max_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
     return queries.reshape(num_reqs, num_kv, group * max_q, head_dim), keys, values, group
+
+
+def _gather_context(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D] at slots [B, L] -> [B, Hkv, L, D], contiguous."""
+    num_kv, head_dim = cache.shape[2], cache.shape[3]
+    flat = cache.view(-1, num_kv, head_dim).index_select(0, slots.reshape(-1))
+    return flat.view(*slots.shape, num_kv, head_dim).transpose(1, 2).contiguous()
 
 
 def _scatter_dense(out: torch.Tensor, meta: AttentionMetadata, group: int, total: int) -> torch.Tensor:
