@@ -240,7 +240,7 @@ class TorchAttention:
     @staticmethod
     def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         queries, keys, values, group = _gather_dense(q, k_cache, v_cache, meta)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_per_group(meta, "dense_mask", group),
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_mask_per_group(meta, group),
                                              scale=scale)
         return _scatter_dense(out, meta, group, q.shape[0])
 
@@ -411,14 +411,12 @@ def _scatter_dense(out: torch.Tensor, meta: AttentionMetadata, group: int, total
     return out.index_select(0, meta.query_dest) if total != num_reqs * max_q else out
 
 
-def _per_group(meta: AttentionMetadata, name: str, group: int) -> torch.Tensor | None:
-    """A per-query-row field of the step (dense_mask [B, 1, Q, L]) repeated for the G folded
-    query heads: [B, 1, G*Q, L]. Built once per step, every layer reuses it."""
-    value = getattr(meta, name)
-    if value is None:
+def _mask_per_group(meta: AttentionMetadata, group: int) -> torch.Tensor | None:
+    """The step's dense_mask [B, 1, Q, L] repeated for the G folded query heads: [B, 1, G*Q, L].
+    Built once per step, every layer reuses it."""
+    if meta.dense_mask is None:
         return None
-    rows = value if value.dim() == 4 else value.unsqueeze(1)
-    return _step_cached(meta, (name, group), lambda: rows.repeat(1, 1, group, 1))
+    return _step_cached(meta, ("dense_mask", group), lambda: meta.dense_mask.repeat(1, 1, group, 1))
 
 
 def _step_cached(meta: AttentionMetadata, key: tuple, build):
