@@ -17,7 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CASES = {"decode": None, "chain4": None, "tree4": [-1, 0, 0, 1], "tree8": [-1, 0, 0, 1, 1, 2, 3, 4]}
+# name: (query rows, tree parents or None for causal rows)
+CASES = {"decode": (1, None), "chain4": (4, None), "tree4": (4, [-1, 0, 0, 1]),
+         "tree8": (8, [-1, 0, 0, 1, 1, 2, 3, 4])}
 
 
 def load_attention(checkout: Path, name: str):
@@ -53,8 +55,7 @@ def main() -> None:
     print(f"{'context':>8} {'step':<8}" + "".join(f"{v + ' min':>11}{v + ' med':>11}" for v in versions)
           + f"{'this/base':>11}")
     for context in args.contexts:
-        for case, parents in CASES.items():
-            n = len(parents) if parents else (1 if case == "decode" else 4)
+        for case, (n, parents) in CASES.items():
             q = torch.randn(n, kv_heads * group, head_dim, generator=gen).bfloat16()
             k = torch.randn(n, kv_heads, head_dim, generator=gen).bfloat16()
             v = torch.randn(n, kv_heads, head_dim, generator=gen).bfloat16()
