@@ -64,3 +64,17 @@ def test_attention_ab_compares_two_checkouts():
     bad = subprocess.run([sys.executable, str(root / "benchmarks" / "attention_ab.py"), "--base", "/nonexistent"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "no specserve/model/attention.py" in bad.stderr
+
+
+def test_draft_int8_times_the_heads_products_and_proposals():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "draft_int8.py"), "--context", "40",
+                          "--rows", "1", "8", "--runs", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert {"fc", "q_proj", "gate_proj", "lm_head"} <= {line.split()[0] for line in lines[2:9]}
+    assert "proposal (m 8, depth 4, top-2)" in run.stdout and "int8" in lines[-1]

@@ -233,6 +233,7 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
 
 def test_tree_config_keys_reach_the_proposer(tmp_path):
     from specserve.config import SpecConfig
+    from specserve.spec.quant import Int8Linear
     from specserve.spec.tree_decoder import MIN_DRAFT_PROB, make_tree_proposer
 
     engine = tiny_llm(tmp_path).engine
@@ -244,9 +245,14 @@ def test_tree_config_keys_reach_the_proposer(tmp_path):
                                          num_speculative_tokens=6), engine)
     assert (prop.depth, prop.topk) == (4, 2)  # the defaults
     assert prop.min_score == math.log(MIN_DRAFT_PROB["cpu"])  # CPU: unlikely nodes are cut
+    assert isinstance(prop.head.fc, Int8Linear)  # CPU: the head's weights are int8
     prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"), num_speculative_tokens=6,
-                                         extra={"min_draft_prob": 0}), engine)
+                                         extra={"min_draft_prob": 0, "quantization": "none"}), engine)
     assert prop.min_score == -math.inf
+    assert type(prop.head.fc) is torch.nn.Linear
+    with pytest.raises(ValueError, match="quantization"):
+        make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"),
+                                      extra={"quantization": "int4"}), engine)
 
 
 def test_medusa_tree_is_validated():

@@ -117,6 +117,7 @@ def test_config_errors(make_llm, tiny_pair, tmp_path, default_model_dir):
         ({"method": "eagle", "min_draft_prob": "0.1"}, "min_draft_prob: must be a number"),
         ({"method": "medusa", "min_draft_prob": 0.1}, "min_draft_prob: applies to method eagle, not 'medusa'"),
         ({"method": "ngram", "lookup_branch": 2}, "lookup_branch: applies to method eagle or medusa"),
+        ({"method": "ngram", "quantization": "int8"}, "quantization: applies to method eagle or medusa"),
     ]
     for config, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -36,6 +36,7 @@ import torch
 
 from specserve.spec.draft_tree import DraftTree
 from specserve.spec.eagle_head import HeadKV
+from specserve.spec.quant import Int8Linear, quantize_linears
 
 DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smollm2-135m"
 
@@ -53,7 +54,8 @@ class EagleProposer:
     name = "eagle"
 
     def __init__(self, target_model, head_dir: str | Path | None = None, num_speculative_tokens: int = 16,
-                 depth: int = 5, topk: int = 4, max_positions: int = 8192, min_prob: float = 0.0) -> None:
+                 depth: int = 5, topk: int = 4, max_positions: int = 8192, min_prob: float = 0.0,
+                 quantize: bool = False) -> None:
         from specserve.spec.heads_io import load_eagle
 
         self.m, self.depth, self.topk = num_speculative_tokens, depth, topk
@@ -70,7 +72,12 @@ class EagleProposer:
         self.d2t = d2t.to(self.device) if d2t is not None else None
         w = target_model.lm_head.weight
         lm_weight = w.index_select(0, self.d2t) if d2t is not None else w  # [N, hidden]
-        self.lm_weight_t = lm_weight.t().contiguous()  # [hidden, N]: skinny products read it faster
+        if quantize:  # weight-only int8 head and LM head (specserve.spec.quant)
+            quantize_linears(self.head)
+            self._lm_head = Int8Linear(lm_weight, None)
+        else:
+            lm_weight_t = lm_weight.t().contiguous()  # [hidden, N]: skinny products read it faster
+            self._lm_head = lambda x: x @ lm_weight_t
         self.cache: dict[str, _HeadCache] = {}
 
     # -- state ------------------------------------------------------------------------------------
@@ -98,7 +105,7 @@ class EagleProposer:
     # -- drafting ---------------------------------------------------------------------------------
     def _scores(self, out: torch.Tensor) -> torch.Tensor:
         """out: [N, hidden] -> draft log-probabilities [N, V'] (float32)."""
-        return torch.log_softmax((out @ self.lm_weight_t).float(), -1)
+        return torch.log_softmax(self._lm_head(out).float(), -1)
 
     def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[ids] if self.d2t is not None else ids

@@ -41,11 +41,12 @@ class MedusaHeads(nn.ModuleList):
         """x: [..., hidden] -> K tensors [..., hidden] (before any LM head)."""
         return [head[:self.num_layers](x) for head in self]
 
-    def logits(self, x: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """x: [N, hidden] -> [K, N, V'] with each head's own LM head, else `lm_head_weight` [V', hidden]."""
+    def logits(self, x: torch.Tensor, lm_head) -> torch.Tensor:
+        """x: [N, hidden] -> [K, N, V'] with each head's own LM head, else `lm_head`
+        ([N, hidden] -> [N, V'], the target's, maybe restricted)."""
         out = []
         for head, f in zip(self, self.features(x)):
-            out.append(head[self.num_layers](f) if self.vocab else f @ lm_head_weight.T)
+            out.append(head[self.num_layers](f) if self.vocab else lm_head(f))
         return torch.stack(out)
 
 
@@ -88,15 +89,21 @@ class MedusaProposer:
     name = "medusa"
 
     def __init__(self, target_model, heads_dir, num_speculative_tokens: int = 64,
-                 tree: list | None = None) -> None:
+                 tree: list | None = None, quantize: bool = False) -> None:
         from specserve.spec.heads_io import load_medusa
+        from specserve.spec.quant import Int8Linear, quantize_linears
 
         w = target_model.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
         heads, d2t = load_medusa(heads_dir, target_model.arch)
         self.heads = heads.to(self.device, self.dtype)
         self.d2t = d2t.to(self.device) if d2t is not None else None
-        self.lm_weight = w.index_select(0, self.d2t).contiguous() if d2t is not None else w
+        lm_weight = w.index_select(0, self.d2t).contiguous() if d2t is not None else w
+        if quantize:  # weight-only int8 heads and LM head (specserve.spec.quant)
+            quantize_linears(self.heads)
+            self.lm_head = Int8Linear(lm_weight, None)
+        else:
+            self.lm_head = lambda f: f @ lm_weight.T
         self.paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
@@ -116,7 +123,7 @@ class MedusaProposer:
         if seen is None or seen[0] != req.num_tokens - 2 or max_drafts < 1:
             return None
         width = 1 + max(max(p) for p in self.paths)
-        logits = self.heads.logits(seen[1].to(self.dtype)[None], self.lm_weight)[:, 0]  # [K, V']
+        logits = self.heads.logits(seen[1].to(self.dtype)[None], self.lm_head)[:, 0]  # [K, V']
         top = logits.topk(width, -1).indices
         top = (self.d2t[top] if self.d2t is not None else top).tolist()
         paths = self.paths[:min(self.m, max_drafts)]

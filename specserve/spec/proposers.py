@@ -33,9 +33,11 @@ CHAIN_METHODS = ("ngram", "draft_model")
 TREE_METHODS = ("eagle", "medusa")  # specserve.spec.tree_decoder
 METHODS = CHAIN_METHODS + TREE_METHODS
 # keys of our own, beside vLLM's: "adaptive" (bool, default true), "verify_cost" (float),
-# "medusa_tree" and "lookup_branch" (int >= 0; tree methods), "min_draft_prob" (eagle, 0 <= p < 1)
-OWN_KEYS = {"adaptive", "verify_cost", "medusa_tree", "lookup_branch", "min_draft_prob"}
-KEY_METHODS = {"lookup_branch": TREE_METHODS, "min_draft_prob": ("eagle",), "medusa_tree": ("medusa",)}
+# "medusa_tree" and "lookup_branch" (int >= 0; tree methods), "min_draft_prob" (eagle, 0 <= p < 1);
+# vLLM's "quantization" names the draft head's weights (tree methods: "int8" | "none", quant.py)
+OWN_KEYS = {"adaptive", "verify_cost", "medusa_tree", "lookup_branch", "min_draft_prob", "quantization"}
+KEY_METHODS = {"lookup_branch": TREE_METHODS, "min_draft_prob": ("eagle",), "medusa_tree": ("medusa",),
+               "quantization": TREE_METHODS}
 
 
 def validate_spec_config(config: SpecConfig) -> None:

@@ -253,7 +253,7 @@ def _medusa_loss(heads, batch, lm_sub, t2d, noise: float):
 
     feats, _, _, nxt, mask = batch  # nxt[t] = x_{t+2}: head 0's label at f_t
     total, stats = 0.0, {}
-    logits = heads.logits(feats[mask], lm_sub)  # [K, N, V']
+    logits = heads.logits(feats[mask], lambda f: f @ lm_sub.T)  # [K, N, V']
     b_idx, t_idx = mask.nonzero(as_tuple=True)
     for k in range(heads.num_heads):
         t_lab = t_idx + k

@@ -43,6 +43,7 @@ from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.adaptive import TreeGate
 from specserve.spec.draft_tree import DraftTree
 from specserve.spec.ngram import NgramProposer
+from specserve.spec.quant import check_quantization
 from specserve.spec.step import SpecDecoder, StepResult
 from specserve.spec.tree import children_lists, compaction_slots, verify_tree
 
@@ -50,6 +51,8 @@ from specserve.spec.tree import children_lists, compaction_slots, verify_tree
 def make_tree_proposer(config: SpecConfig, engine):
     model = engine.runner.model
     m = config.num_speculative_tokens
+    device = model.lm_head.weight.device
+    quantize = check_quantization(config.extra.get("quantization"), device)
     if config.method == "eagle":
         from specserve.config import DEFAULT_MODEL
         from specserve.model.loader import canonical_alias
@@ -58,16 +61,16 @@ def make_tree_proposer(config: SpecConfig, engine):
         if config.model is None and canonical_alias(engine.config.model.model) != DEFAULT_MODEL:
             raise ValueError("speculative_config.model: the shipped EAGLE head is for the default "
                              "model; name a head trained for this target")
-        device = model.lm_head.weight.device.type
         return EagleProposer(model, config.model, m, depth=min(4, m) if config.depth is None else config.depth,
                              topk=2 if config.topk is None else config.topk, max_positions=engine.max_model_len + 64,
-                             min_prob=config.extra.get("min_draft_prob", MIN_DRAFT_PROB.get(device, 0.0)))
+                             min_prob=config.extra.get("min_draft_prob", MIN_DRAFT_PROB.get(device.type, 0.0)),
+                             quantize=quantize)
     if config.method == "medusa":
         from specserve.spec.medusa import MedusaProposer
 
         if config.model is None:
             raise ValueError("speculative_config.model: method 'medusa' needs a heads directory")
-        return MedusaProposer(model, config.model, m, config.extra.get("medusa_tree"))
+        return MedusaProposer(model, config.model, m, config.extra.get("medusa_tree"), quantize=quantize)
     raise ValueError(f"speculative_config.method: {config.method!r} is not a tree method")
 
 

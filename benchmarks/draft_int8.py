@@ -1,0 +1,103 @@
+"""What weight-only int8 buys an EAGLE head on this machine: each of the shipped head's matrix
+products in the model's dtype against int8 (specserve.spec.quant) at a few row counts, then
+whole EAGLE-2 proposals (the head pass over the last step's committed tokens, then the tree's
+passes) with the two heads alternating, and how often their drafts agree.
+
+    python benchmarks/draft_int8.py [--context 300] [--rows 1 2 4 8 16] [--runs 30]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def best_us(fn, runs: int, inner: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - start) / inner)
+    return best * 1e6
+
+
+def layer_table(prop, rows: list[int], runs: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from specserve.spec.quant import Int8Linear
+
+    layer = prop.head.layers[0]
+    shapes = {"fc": prop.head.fc, "q_proj": layer.self_attn.q_proj, "k_proj": layer.self_attn.k_proj,
+              "o_proj": layer.self_attn.o_proj, "gate_proj": layer.mlp.gate_proj,
+              "down_proj": layer.mlp.down_proj, "lm_head": prop._lm_head}
+    print(f"{'product':<11}{'in x out':>13}" + "".join(f"{r:>8} row{'s' if r > 1 else ' '}" for r in rows))
+    for name, q in shapes.items():
+        assert isinstance(q, Int8Linear)
+        out_f, in_f = q.qweight.shape
+        cells = []
+        for r in rows:
+            x = torch.randn(r, in_f, dtype=q.weight.dtype)
+            full = best_us(lambda: F.linear(x, q.weight), runs)
+            int8 = best_us(lambda: torch._weight_int8pack_mm(x, q.qweight, q.scales), runs)
+            cells.append(f"{full:5.0f}/{int8:<5.0f}")
+        print(f"{name:<11}{f'{in_f}x{out_f}':>13}" + "".join(f"{c:>13}" for c in cells))
+    print("(µs, model dtype / int8; best of runs)")
+
+
+def main() -> None:
+    import torch
+
+    from benchmarks._runner import default_runner
+    from specserve.request import Request, SamplingParams
+    from specserve.spec.eagle import EagleProposer
+    from specserve.spec.tree import prefill_step
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=300, help="committed tokens the head has seen")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--redo", type=int, default=3, help="committed tokens each proposal's first pass covers")
+    p.add_argument("--m", type=int, default=8)
+    args = p.parse_args()
+    runner, kv = default_runner(args.context // 16 + 8)
+    heads = {name: EagleProposer(runner.model, num_speculative_tokens=args.m, depth=4, topk=2, quantize=q)
+             for name, q in (("full", False), ("int8", True))}
+    print(f"{runner.dtype}, {torch.get_num_threads()} threads, context {args.context}")
+    layer_table(heads["int8"], args.rows, args.runs)
+
+    g = torch.Generator().manual_seed(0)
+    req = Request("r", torch.randint(0, 40000, (args.context,), generator=g).tolist(), SamplingParams(), set(), 0)
+
+    class Both:  # shows both heads the prompt's features
+        def observe(self, r, start, hidden):
+            for h in heads.values():
+                h.observe(r, start, hidden)
+
+    prefill_step(runner, kv, [req], Both())
+    for prop in heads.values():  # the head's pass over the whole prompt
+        prop.propose_one(req, args.m)
+    times = {name: float("inf") for name in heads}
+    trees = {}
+    for _ in range(args.runs):
+        for name, prop in heads.items():
+            c = prop.cache[req.request_id]
+            prop._truncate_pairs(c, c.pairs - args.redo)  # the first pass covers `redo` committed tokens
+            start = time.perf_counter()
+            trees[name] = prop.propose_one(req, args.m)
+            times[name] = min(times[name], time.perf_counter() - start)
+    full, int8 = trees["full"], trees["int8"]
+    same = sum(a == b for a, b in zip(full.tokens, int8.tokens)) if full and int8 else 0
+    print(f"proposal (m {args.m}, depth 4, top-2): {times['full'] * 1e3:.2f} ms -> {times['int8'] * 1e3:.2f} ms "
+          f"int8 ({times['full'] / times['int8']:.2f}x); nodes {len(full or [])} / {len(int8 or [])}, "
+          f"same token at {same}")
+    kv.free(req)
+
+
+if __name__ == "__main__":
+    main()
