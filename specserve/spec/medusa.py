@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.spec.quant import Int8Linear, quantize_linears
+
 
 class ResBlock(nn.Module):
     def __init__(self, hidden: int) -> None:
@@ -91,7 +93,6 @@ class MedusaProposer:
     def __init__(self, target_model, heads_dir, num_speculative_tokens: int = 64,
                  tree: list | None = None, quantize: bool = False) -> None:
         from specserve.spec.heads_io import load_medusa
-        from specserve.spec.quant import Int8Linear, quantize_linears
 
         w = target_model.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
