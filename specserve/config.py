@@ -46,18 +46,27 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024
 
 
+# drafts per step when num_speculative_tokens is not given: chains of 3; EAGLE trees of 8 nodes
+# (measured best for the shipped head on CPU, docs/benchmarks.md); Medusa: its whole tree
+DEFAULT_DRAFTS = {"ngram": 3, "draft_model": 3, "eagle": 8, "medusa": 64}
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """vLLM's --speculative-config keys. method None means no speculation."""
 
     method: str | None = None  # ngram | draft_model | eagle | medusa
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int | None = None  # None: the method's default (DEFAULT_DRAFTS)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None
     depth: int | None = None
     topk: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens is None and self.method is not None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_DRAFTS.get(self.method, 3))
 
     @staticmethod
     def parse(value: str | dict | None) -> "SpecConfig":

@@ -241,9 +241,10 @@ def test_tree_config_keys_reach_the_proposer(tmp_path):
     prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"),
                                          num_speculative_tokens=6, depth=3, topk=5), engine)
     assert (prop.m, prop.depth, prop.topk) == (6, 3, 5)
-    prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"),
-                                         num_speculative_tokens=6), engine)
-    assert (prop.depth, prop.topk) == (4, 2)  # the defaults
+    prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head")), engine)
+    assert (prop.m, prop.depth, prop.topk) == (8, 4, 2)  # the defaults
+    assert SpecConfig.parse('{"method": "eagle"}').num_speculative_tokens == 8
+    assert SpecConfig.parse('{"method": "ngram"}').num_speculative_tokens == 3
     assert prop.min_score == math.log(MIN_DRAFT_PROB["cpu"])  # CPU: unlikely nodes are cut
     assert isinstance(prop.head.fc, Int8Linear)  # CPU: the head's weights are int8
     prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"), num_speculative_tokens=6,
