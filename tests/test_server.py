@@ -324,3 +324,23 @@ def test_bench_serve_against_server(server, tmp_path):
     assert 0 < result["output_tokens"] <= 16
     assert result["ttft_s"]["p50"] > 0 and result["e2e_s"]["p99"] >= result["e2e_s"]["p50"]
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_eagle_out_of_the_box_streams_the_plain_greedy_text(client):
+    """`--speculative-config '{"method": "eagle"}'` (the shipped head, int8 on CPU, m 8):
+    a streamed greedy answer equals the plain server's, and drafts were verified."""
+    prompt = "Write three sentences about the history of bicycles."
+    want = chat(client, prompt, max_tokens=48).choices[0].message.content
+    proc = ServerProcess(default_model_args() + ["--speculative-config", '{"method": "eagle"}'])
+    try:
+        stream = proc.openai().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=48, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == want
+        spec = chunks[-1].usage.model_extra["speculation"]
+        assert spec["num_draft_tokens"] > 0 and spec["num_accepted_tokens"] > 0
+        assert proc.metric("specserve:spec_decode_num_drafts_total", model_name=MODEL) > 0
+    finally:
+        proc.stop()
