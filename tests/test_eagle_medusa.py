@@ -198,12 +198,12 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
     prompts = [{"prompt_token_ids": [5, 9, 17, 33, 2, 8, 8, 1, 4]}, {"prompt_token_ids": [7, 7, 1, 80]}]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    if method == "eagle":
+    if method == "eagle":  # int8 heads, as the engine makes them on a CPU
         write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
-        prop = EagleProposer(engine.runner.model, tmp_path / "head", 10, depth=4, topk=3)
+        prop = EagleProposer(engine.runner.model, tmp_path / "head", 10, depth=4, topk=3, quantize=True)
     else:
         write_medusa(tmp_path / "head", arch)
-        prop = MedusaProposer(engine.runner.model, tmp_path / "head")
+        prop = MedusaProposer(engine.runner.model, tmp_path / "head", quantize=True)
     engine.spec = TreeSpecDecoder(SpecConfig(method=method, num_speculative_tokens=10), engine, prop)
     engine.spec.gate.enabled = False  # a random head's trees never pay: keep verifying them
     engine.spec.log_interval = 0.0
@@ -246,7 +246,7 @@ def test_tree_config_keys_reach_the_proposer(tmp_path):
     assert SpecConfig.parse('{"method": "eagle"}').num_speculative_tokens == 8
     assert SpecConfig.parse('{"method": "ngram"}').num_speculative_tokens == 3
     assert prop.min_score == math.log(MIN_DRAFT_PROB["cpu"])  # CPU: unlikely nodes are cut
-    assert isinstance(prop.head.fc, Int8Linear)  # CPU: the head's weights are int8
+    assert isinstance(prop.head.fc, Int8Linear) and isinstance(prop._lm_head, Int8Linear)  # CPU: int8
     prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"), num_speculative_tokens=6,
                                          extra={"min_draft_prob": 0, "quantization": "none"}), engine)
     assert prop.min_score == -math.inf

@@ -30,6 +30,8 @@ def test_int8_linear_tracks_the_full_precision_layer(dtype, rows):
     q = Int8Linear.from_linear(lin)
     x = torch.randn(rows, 96, dtype=dtype)
     assert rel_err(q(x), lin(x)) < 0.02
+    if rows <= Int8Linear.MAX_ROWS:  # few rows go through the int8 kernel
+        assert torch.equal(q(x), torch._weight_int8pack_mm(x, q.qweight, q.scales) + q.bias)
     # the int8 kernel (few rows) and the dequantized weights (many rows) are one model
     deq = nn.functional.linear(x, q.weight, q.bias)
     assert rel_err(q(x), deq) < 0.01

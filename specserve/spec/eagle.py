@@ -36,7 +36,7 @@ import torch
 
 from specserve.spec.draft_tree import DraftTree
 from specserve.spec.eagle_head import HeadKV
-from specserve.spec.quant import Int8Linear, quantize_linears
+from specserve.spec.quant import draft_lm_head
 
 DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smollm2-135m"
 
@@ -72,12 +72,7 @@ class EagleProposer:
         self.d2t = d2t.to(self.device) if d2t is not None else None
         w = target_model.lm_head.weight
         lm_weight = w.index_select(0, self.d2t) if d2t is not None else w  # [N, hidden]
-        if quantize:  # weight-only int8 head and LM head (specserve.spec.quant)
-            quantize_linears(self.head)
-            self._lm_head = Int8Linear(lm_weight, None)
-        else:
-            lm_weight_t = lm_weight.t().contiguous()  # [hidden, N]: skinny products read it faster
-            self._lm_head = lambda x: x @ lm_weight_t
+        self._lm_head = draft_lm_head(self.head, lm_weight, quantize)  # int8 head: specserve.spec.quant
         self.cache: dict[str, _HeadCache] = {}
 
     # -- state ------------------------------------------------------------------------------------

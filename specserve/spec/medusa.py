@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.spec.quant import Int8Linear, quantize_linears
+from specserve.spec.quant import draft_lm_head
 
 
 class ResBlock(nn.Module):
@@ -99,12 +99,8 @@ class MedusaProposer:
         heads, d2t = load_medusa(heads_dir, target_model.arch)
         self.heads = heads.to(self.device, self.dtype)
         self.d2t = d2t.to(self.device) if d2t is not None else None
-        lm_weight = w.index_select(0, self.d2t).contiguous() if d2t is not None else w
-        if quantize:  # weight-only int8 heads and LM head (specserve.spec.quant)
-            quantize_linears(self.heads)
-            self.lm_head = Int8Linear(lm_weight, None)
-        else:
-            self.lm_head = lambda f: f @ lm_weight.T
+        lm_weight = w.index_select(0, self.d2t) if d2t is not None else w
+        self.lm_head = draft_lm_head(self.heads, lm_weight, quantize)  # int8 heads: specserve.spec.quant
         self.paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)

@@ -67,6 +67,17 @@ def quantize_linears(module: nn.Module) -> nn.Module:
     return module
 
 
+def draft_lm_head(heads: nn.Module, lm_weight: torch.Tensor, quantize: bool):
+    """A draft's weights as its proposer uses them: with quantize, every nn.Linear of heads is
+    made int8 in place and so is the (maybe restricted) LM head lm_weight [N, hidden].
+    Returns the LM head, a callable [rows, hidden] -> [rows, N]."""
+    if quantize:
+        quantize_linears(heads)
+        return Int8Linear(lm_weight, None)
+    weight_t = lm_weight.t().contiguous()  # [hidden, N]: skinny products read it faster
+    return lambda x: x @ weight_t
+
+
 def check_quantization(value, device: torch.device) -> bool:
     """speculative_config "quantization" -> whether to quantize the draft head (None: the
     default, int8 on a CPU, where weight reads dominate a head pass; off elsewhere)."""
