@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.config import DEFAULT_DRAFTS
 from specserve.spec.draft_tree import DraftTree
 from specserve.spec.eagle_head import HeadKV
 from specserve.spec.quant import draft_lm_head
@@ -53,12 +54,16 @@ class _HeadCache:
 class EagleProposer:
     name = "eagle"
 
-    def __init__(self, target_model, head_dir: str | Path | None = None, num_speculative_tokens: int = 16,
-                 depth: int = 5, topk: int = 4, max_positions: int = 8192, min_prob: float = 0.0,
+    def __init__(self, target_model, head_dir: str | Path | None = None,
+                 num_speculative_tokens: int = DEFAULT_DRAFTS["eagle"], depth: int | None = None,
+                 topk: int | None = None, max_positions: int = 8192, min_prob: float = 0.0,
                  quantize: bool = False) -> None:
+        """Defaults (also speculative_config's): depth min(4, m), top-2; on a CPU the engine
+        also sets min_prob (tree_decoder.MIN_DRAFT_PROB) and quantize."""
         from specserve.spec.heads_io import load_eagle
 
-        self.m, self.depth, self.topk = num_speculative_tokens, depth, topk
+        m = num_speculative_tokens
+        self.m, self.depth, self.topk = m, min(4, m) if depth is None else depth, 2 if topk is None else topk
         if self.m < 1 or self.depth < 1 or self.topk < 1:
             raise ValueError("speculative_config: num_speculative_tokens, depth and topk must be >= 1")
         self.min_score = math.log(min_prob) if min_prob > 0 else -math.inf

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.config import DEFAULT_DRAFTS
 from specserve.spec.quant import draft_lm_head
 
 
@@ -90,7 +91,7 @@ class MedusaProposer:
 
     name = "medusa"
 
-    def __init__(self, target_model, heads_dir, num_speculative_tokens: int = 64,
+    def __init__(self, target_model, heads_dir, num_speculative_tokens: int = DEFAULT_DRAFTS["medusa"],
                  tree: list | None = None, quantize: bool = False) -> None:
         from specserve.spec.heads_io import load_medusa
 

@@ -61,8 +61,7 @@ def make_tree_proposer(config: SpecConfig, engine):
         if config.model is None and canonical_alias(engine.config.model.model) != DEFAULT_MODEL:
             raise ValueError("speculative_config.model: the shipped EAGLE head is for the default "
                              "model; name a head trained for this target")
-        return EagleProposer(model, config.model, m, depth=min(4, m) if config.depth is None else config.depth,
-                             topk=2 if config.topk is None else config.topk, max_positions=engine.max_model_len + 64,
+        return EagleProposer(model, config.model, m, config.depth, config.topk, max_positions=engine.max_model_len + 64,
                              min_prob=config.extra.get("min_draft_prob", MIN_DRAFT_PROB.get(device.type, 0.0)),
                              quantize=quantize)
     if config.method == "medusa":
