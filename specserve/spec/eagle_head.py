@@ -76,12 +76,12 @@ class HeadAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_kv, self.head_dim)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        group = self.num_heads // self.num_kv
         if kv is not None:
             out = self._attend_folded(q, *kv[0].write(kv[1], k, v), mask, kv[1])
             return self.o_proj(out), k, v
         keys = k if past_k is None else torch.cat([past_k, k], 1)
         values = v if past_v is None else torch.cat([past_v, v], 1)
+        group = self.num_heads // self.num_kv
         qh = q.transpose(1, 2)  # [B, H, T, D]
         kh = keys.transpose(1, 2).repeat_interleave(group, 1)
         vh = values.transpose(1, 2).repeat_interleave(group, 1)
