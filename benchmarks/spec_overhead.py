@@ -1,0 +1,160 @@
+"""The speculative machinery's own time per request and step, apart from the models' compute.
+
+A tiny random target (hidden 64, 2 layers, the default model's 49k vocabulary) makes the
+target forward cheap, so what is left of an engine step is the engine's own work: scheduling,
+drafting (with random EAGLE/Medusa heads, a draft model that is the target itself, or prompt
+lookup), verification, KV rollback and bookkeeping. Every method drafts its maximum each step
+(`"adaptive": false`), on B requests at once, greedy.
+
+    python benchmarks/spec_overhead.py [--batch 1 16 64] [--methods none ngram eagle medusa draft_model]
+        [--max-tokens 48] [--json OUT.json]
+
+Reports, per method and batch size, milliseconds per decode step outside the target forward,
+divided by B (the per-request overhead), and the target forward's own milliseconds per step.
+Runs against whichever specserve is importable (PYTHONPATH=../other-checkout to compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def write_fixtures(root: Path) -> tuple[Path, Path, Path]:
+    """A tiny model directory (the default model's tokenizer), a random EAGLE-1 head and
+    random Medusa heads for it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from specserve.config import DEFAULT_MODEL
+    from specserve.model.loader import resolve_model_dir
+
+    model = root / "tiny"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(TINY))
+    for f in resolve_model_dir(DEFAULT_MODEL).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
+            shutil.copy(f, model / f.name)
+    g = torch.Generator().manual_seed(0)
+    h, i, v = TINY["hidden_size"], TINY["intermediate_size"], TINY["vocab_size"]
+    kv = TINY["num_key_value_heads"] * TINY["head_dim"]
+    eagle = root / "eagle"
+    eagle.mkdir(exist_ok=True)
+    state = {"fc.weight": (2 * h, h), "fc.bias": (h,), "layers.0.self_attn.q_proj.weight": (h, h),
+             "layers.0.self_attn.k_proj.weight": (h, kv), "layers.0.self_attn.v_proj.weight": (h, kv),
+             "layers.0.self_attn.o_proj.weight": (h, h), "layers.0.mlp.gate_proj.weight": (h, i),
+             "layers.0.mlp.up_proj.weight": (h, i), "layers.0.mlp.down_proj.weight": (i, h),
+             "layers.0.post_attention_layernorm.weight": (h,)}
+    save_file({k: torch.randn(tuple(reversed(s)), generator=g) * 0.2 for k, s in state.items()},
+              str(eagle / "model.safetensors"))
+    (eagle / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1}))
+    medusa = root / "medusa"
+    medusa.mkdir(exist_ok=True)
+    heads = {}
+    for k in range(4):
+        heads[f"{k}.0.linear.weight"] = torch.randn(h, h, generator=g) * 0.1
+        heads[f"{k}.0.linear.bias"] = torch.zeros(h)
+        heads[f"{k}.1.weight"] = torch.randn(v, h, generator=g) * 0.2
+    save_file(heads, str(medusa / "medusa_lm_head.safetensors"))
+    (medusa / "config.json").write_text(json.dumps({"medusa_num_heads": 4, "medusa_num_layers": 1}))
+    return model, eagle, medusa
+
+
+def spec_config(method: str, eagle: Path, medusa: Path, model: Path) -> dict | None:
+    fixed = {"adaptive": False}
+    return {"none": None,
+            "ngram": {"method": "ngram", "num_speculative_tokens": 4, **fixed},
+            "eagle": {"method": "eagle", "model": str(eagle), "num_speculative_tokens": 8,
+                      "min_draft_prob": 0, "quantization": "none", **fixed},
+            "medusa": {"method": "medusa", "model": str(medusa), "num_speculative_tokens": 16,
+                       "quantization": "none", **fixed},
+            "draft_model": {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3,
+                            **fixed}}[method]
+
+
+def measure(llm, batch: int, max_tokens: int, seed: int = 0) -> dict:
+    """Decode-only steps of `batch` requests run together: ms per step outside the target forward
+    (per request) and inside it."""
+    from specserve import SamplingParams
+
+    engine = llm.engine
+    execute = engine.runner.execute
+    last = {"decode_only": False, "seconds": 0.0}
+
+    def timed_execute(sched, *args, **kwargs):
+        start = time.perf_counter()
+        out = execute(sched, *args, **kwargs)
+        last["seconds"] = time.perf_counter() - start
+        last["decode_only"] = sched.decode_only
+        return out
+
+    engine.runner.execute = timed_execute
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    totals = {"steps": 0, "step_s": 0.0, "forward_s": 0.0}
+    for rep in range(2):  # the first round warms up
+        for b in range(batch):
+            pattern = [rng.randrange(100, 40000) for _ in range(8)]
+            engine.add_request(f"r{rep}-{b}", (pattern * 8)[:60], params)
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - start
+            if rep and last["decode_only"] and len(engine.scheduler.running) == batch:
+                totals["steps"] += 1
+                totals["step_s"] += seconds
+                totals["forward_s"] += last["seconds"]
+            last["decode_only"] = False
+    engine.runner.execute = execute
+    steps = max(1, totals["steps"])
+    return {"steps": totals["steps"],
+            "overhead_ms_per_request": 1e3 * (totals["step_s"] - totals["forward_s"]) / steps / batch,
+            "forward_ms": 1e3 * totals["forward_s"] / steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--methods", nargs="+", default=["none", "ngram", "eagle", "medusa", "draft_model"])
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+    import torch
+
+    from specserve import LLM
+
+    torch.manual_seed(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, eagle, medusa = write_fixtures(Path(tmp))
+        for method in args.methods:
+            llm = LLM(str(model), load_format="dummy", seed=3, max_model_len=512, num_blocks=2048,
+                      max_num_seqs=max(args.batch), max_num_batched_tokens=8192,
+                      speculative_config=spec_config(method, eagle, medusa, model))
+            for b in args.batch:
+                r = measure(llm, b, args.max_tokens)
+                rows.append({"method": method, "batch": b, **r})
+                print(f"{method:<12} B={b:<3} overhead {r['overhead_ms_per_request']:7.2f} ms/request/step   "
+                      f"forward {r['forward_ms']:7.1f} ms/step   ({r['steps']} steps)", flush=True)
+            del llm
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
