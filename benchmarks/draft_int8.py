@@ -1,5 +1,5 @@
 """What weight-only int8 buys an EAGLE head on this machine: each of the shipped head's matrix
-products in the model's dtype against int8 (specserve.spec.quant) at a few row counts, then
+products in the model's dtype against int8 (specserve.spec_decode.quant) at a few row counts, then
 whole EAGLE-2 proposals (the head pass over the last step's committed tokens, then the tree's
 passes) with the two heads alternating, and how often their drafts agree.
 
@@ -30,7 +30,7 @@ def layer_table(prop, rows: list[int], runs: int) -> None:
     import torch
     import torch.nn.functional as F
 
-    from specserve.spec.quant import Int8Linear
+    from specserve.spec_decode.quant import Int8Linear
 
     layer = prop.head.layers[0]
     shapes = {"fc": prop.head.fc, "q_proj": layer.self_attn.q_proj, "k_proj": layer.self_attn.k_proj,
@@ -55,8 +55,8 @@ def main() -> None:
 
     from benchmarks._runner import default_runner
     from specserve.request import Request, SamplingParams
-    from specserve.spec.eagle import EagleProposer
-    from specserve.spec.tree import prefill_step
+    from specserve.spec_decode.eagle import EagleProposer
+    from specserve.spec_decode.tree import prefill_step
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=300, help="committed tokens the head has seen")

@@ -32,7 +32,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     gen.add_argument("--speculative-config", default=None)
 
-    from specserve.spec import train
+    from specserve.spec_decode.training import train
 
     train.add_args(sub.add_parser("train-draft", help="train an EAGLE or Medusa draft head "
                                   "for a target model (self-distillation)"))
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "train-draft":
-            from specserve.spec import train
+            from specserve.spec_decode.training import train
 
             train.run(args)
             return 0

@@ -24,7 +24,7 @@ from specserve.model.runner import ModelRunner
 from specserve.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
                                SamplingParams, TokenLogprob)
 from specserve.scheduler.scheduler import Scheduler
-from specserve.spec.step import SpecDecoder
+from specserve.spec_decode.step import SpecDecoder
 
 logger = logging.getLogger(__name__)
 

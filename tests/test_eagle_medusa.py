@@ -1,5 +1,5 @@
 """EAGLE and Medusa proposers: public checkpoint layouts load and draft; the hand-written tree
-loop (specserve.spec.tree.tree_spec_step) reproduces plain greedy decoding token for token, on
+loop (specserve.spec_decode.tree.tree_spec_step) reproduces plain greedy decoding token for token, on
 a tiny random model and on the default model with the shipped head; KV blocks are freed."""
 
 import json
@@ -15,11 +15,11 @@ from specserve.kv_cache.manager import KVCacheManager
 from specserve.model.arch import ModelArch
 from specserve.model.runner import ModelRunner
 from specserve.request import Request, SamplingParams
-from specserve.spec.eagle import DEFAULT_EAGLE_DIR, EagleProposer
-from specserve.spec.eagle_head import EagleHead, HeadKV
-from specserve.spec.heads_io import load_eagle, save_eagle
-from specserve.spec.medusa import MedusaProposer
-from specserve.spec.tree import prefill_step, tree_spec_step
+from specserve.spec_decode.eagle import DEFAULT_EAGLE_DIR, EagleProposer
+from specserve.spec_decode.eagle_head import EagleHead, HeadKV
+from specserve.spec_decode.heads_io import load_eagle, save_eagle
+from specserve.spec_decode.medusa import MedusaProposer
+from specserve.spec_decode.tree import prefill_step, tree_spec_step
 
 TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -190,7 +190,7 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
     import logging
 
     from specserve.config import SpecConfig
-    from specserve.spec.tree_decoder import TreeSpecDecoder
+    from specserve.spec_decode.tree_decoder import TreeSpecDecoder
 
     llm = tiny_llm(tmp_path)
     engine = llm.engine
@@ -220,7 +220,7 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
         return out
 
     engine.spec.tree_parents = checked_tree_parents
-    with caplog.at_level(logging.INFO, logger="specserve.spec"):
+    with caplog.at_level(logging.INFO, logger="specserve.spec_decode"):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]  # prefix-cache hits now
     assert "acceptance" in caplog.text.lower()  # the periodic acceptance line
     assert got == ref
@@ -233,8 +233,8 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
 
 def test_tree_config_keys_reach_the_proposer(tmp_path):
     from specserve.config import SpecConfig
-    from specserve.spec.quant import Int8Linear
-    from specserve.spec.tree_decoder import MIN_DRAFT_PROB, make_tree_proposer
+    from specserve.spec_decode.quant import Int8Linear
+    from specserve.spec_decode.tree_decoder import MIN_DRAFT_PROB, make_tree_proposer
 
     engine = tiny_llm(tmp_path).engine
     write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
@@ -257,7 +257,7 @@ def test_tree_config_keys_reach_the_proposer(tmp_path):
 
 
 def test_medusa_tree_is_validated():
-    from specserve.spec.medusa import tree_from_choices
+    from specserve.spec_decode.medusa import tree_from_choices
 
     assert tree_from_choices([[1], [0], [0, 2]], 4) == [(0,), (1,), (0, 2)]
     for bad, message in [([], "non-empty list"), ([[0, -1]], "integers >= 0"), ([[]], "non-empty"),
@@ -268,7 +268,7 @@ def test_medusa_tree_is_validated():
 
 
 def test_graft_merges_a_chain_into_a_tree():
-    from specserve.spec.draft_tree import DraftTree
+    from specserve.spec_decode.draft_tree import DraftTree
 
     tree = DraftTree([10, 11, 12, 13], [-1, -1, 0, 1])  # 10 -> 12, 11 -> 13
     merged, path = tree.graft([10, 12, 7, 8], limit=10)  # shares 10 -> 12, then new nodes
@@ -285,7 +285,7 @@ def test_lookup_branch_keeps_greedy_output_with_the_head_paused(tmp_path):
     """lookup_branch grafts prompt-lookup chains onto the trees; with the head paused by the
     gate, the chains are drafted alone. Both ways the output is plain greedy's."""
     from specserve.config import SpecConfig
-    from specserve.spec.tree_decoder import TreeSpecDecoder
+    from specserve.spec_decode.tree_decoder import TreeSpecDecoder
 
     llm = tiny_llm(tmp_path)
     engine = llm.engine
@@ -340,7 +340,7 @@ def test_head_kv_buffers_match_the_head_over_the_whole_sequence():
 def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
     """train.unrolled's step j is what a depth-j node computes at inference: a top-1 chain
     drafted by EagleProposer equals the argmax of the unrolled steps over the same tokens."""
-    from specserve.spec.train import ttt_mask, unrolled
+    from specserve.spec_decode.training.train import ttt_mask, unrolled
 
     assert ttt_mask(4, 2).int().tolist() == [[0, 0, 0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 0, 1, 0, 0],
                                              [1, 1, 0, 0, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0, 0, 1]]
@@ -374,7 +374,7 @@ def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
 
 
 def test_min_draft_prob_cuts_unlikely_nodes_and_keeps_greedy_output(tmp_path, monkeypatch):
-    import specserve.spec.eagle as eagle_mod
+    import specserve.spec_decode.eagle as eagle_mod
 
     arch, runner, kv = tiny_runner(tmp_path)
     write_eagle1(tmp_path / "eagle", arch)
@@ -418,8 +418,8 @@ def test_min_draft_prob_cuts_unlikely_nodes_and_keeps_greedy_output(tmp_path, mo
 
 def test_lookup_branch_length_follows_its_acceptance(tmp_path):
     from specserve.config import SpecConfig
-    from specserve.spec.draft_tree import DraftTree, path_of
-    from specserve.spec.tree_decoder import TreeSpecDecoder
+    from specserve.spec_decode.draft_tree import DraftTree, path_of
+    from specserve.spec_decode.tree_decoder import TreeSpecDecoder
 
     tree, chain_nodes = DraftTree([4, 5, 6, 7], [-1, 0, -1, 2]).graft([6, 7, 8, 9], 6)
     assert chain_nodes == path_of(tree.tokens, tree.parents, [6, 7, 8, 9]) == [2, 3, 4, 5]

@@ -1,13 +1,13 @@
-"""Weight-only int8 draft heads (specserve.spec.quant)."""
+"""Weight-only int8 draft heads (specserve.spec_decode.quant)."""
 
 import pytest
 import torch
 from torch import nn
 
 from specserve.model.arch import ModelArch
-from specserve.spec.eagle_head import EagleHead
-from specserve.spec.medusa import MedusaHeads
-from specserve.spec.quant import Int8Linear, check_quantization, quantize_linears, quantize_rows
+from specserve.spec_decode.eagle_head import EagleHead
+from specserve.spec_decode.medusa import MedusaHeads
+from specserve.spec_decode.quant import Int8Linear, check_quantization, quantize_linears, quantize_rows
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specserve import SamplingParams
 from specserve.request import Request
-from specserve.spec.adaptive import AdaptiveLength, best_length
+from specserve.spec_decode.adaptive import AdaptiveLength, best_length
 
 
 def test_best_length_follows_acceptance_and_cost():
@@ -44,7 +44,7 @@ def test_verify_cost_is_learned():
 
 
 def test_tree_gate_pauses_a_request_whose_trees_do_not_pay_and_probes_again():
-    from specserve.spec.adaptive import TreeGate
+    from specserve.spec_decode.adaptive import TreeGate
 
     gate = TreeGate(prior_cost=1.3, probe_interval=4)
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=8), set(), 0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specserve import SamplingParams
-from specserve.spec.ngram import ngram_lookup
+from specserve.spec_decode.ngram import ngram_lookup
 from tests.spec_helpers import (HIT_PROMPTS, MAX_TOKENS, MISS_PROMPTS, check_prefix_cache,
                                 greedy_baseline, set_num_drafts, token_ids)
 

@@ -51,7 +51,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_train_draft_end_to_end_and_resume(tmp_path):
-    from specserve.spec.heads_io import load_eagle
+    from specserve.spec_decode.heads_io import load_eagle
 
     target = tiny_target(tmp_path / "target")
     out, work = tmp_path / "head", tmp_path / "work"

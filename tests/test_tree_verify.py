@@ -1,4 +1,4 @@
-"""Tree verification (specserve.spec.tree): greedy against a brute force, sampled against the
+"""Tree verification (specserve.spec_decode.tree): greedy against a brute force, sampled against the
 target distribution (chi-square on a small vocabulary, with a broken rule as negative
 control), and the KV compaction slots."""
 
@@ -9,8 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from specserve.kernels import compact_kv
-from specserve.spec.draft_tree import DraftTree
-from specserve.spec.tree import compaction_slots, verify_tree
+from specserve.spec_decode.draft_tree import DraftTree
+from specserve.spec_decode.tree import compaction_slots, verify_tree
 
 V = 8
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.spec.draft_tree import DraftTree
+from specserve.spec_decode.draft_tree import DraftTree
 
 
 @dataclass

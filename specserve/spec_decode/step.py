@@ -26,7 +26,7 @@ from specserve.sampler import (SamplingBatch, apply_penalties, exponential_noise
 from specserve.scheduler.scheduler import SchedulerOutput
 
 StepResult = tuple[list[int], list[TokenLogprob] | None] | None
-logger = logging.getLogger("specserve.spec")
+logger = logging.getLogger("specserve.spec_decode")
 
 
 class SpecDecoder:
@@ -46,7 +46,7 @@ class SpecDecoder:
     def create(config: SpecConfig, engine) -> "SpecDecoder":
         if config.method is None:
             return SpecDecoder(config, engine)
-        from specserve.spec.proposers import make_spec_decoder
+        from specserve.spec_decode.proposers import make_spec_decoder
 
         return make_spec_decoder(config, engine)
 

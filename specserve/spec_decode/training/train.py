@@ -2,7 +2,7 @@
 
 Recipe (EAGLE's, scaled to a CPU):
   1. data: the target answers templated instruction prompts greedily (never Spec-Bench);
-     its final hidden states are recorded for every token (specserve.spec.train_data);
+     its final hidden states are recorded for every token (specserve.spec_decode.training.data);
   2. vocabulary: the N most frequent tokens of the answers become the draft vocabulary
      (d2t); the head scores only those rows of the target's LM head;
   3. training: uniform noise on the input features. EAGLE: smooth-L1 to the next feature plus
@@ -72,7 +72,7 @@ def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
 
     import torch
 
-    from specserve.spec.train_data import (document_prompts, generate_chunks, instruction_prompts,
+    from specserve.spec_decode.training.data import (document_prompts, generate_chunks, instruction_prompts,
                                            self_instruct_prompts, self_instruct_words)
 
     data = work / "data"
@@ -270,7 +270,7 @@ def _medusa_loss(heads, batch, lm_sub, t2d, noise: float):
 
 
 def _export(method: str, model, d2t, out: Path, extra: dict) -> None:
-    from specserve.spec.heads_io import save_eagle, save_medusa
+    from specserve.spec_decode.heads_io import save_eagle, save_medusa
 
     if method == "eagle":
         save_eagle(model, d2t, out, extra=extra)
@@ -325,10 +325,10 @@ def run(args: argparse.Namespace) -> None:
     # 3. model, optimiser, checkpoint
     report = None  # logs the held-out agreement by depth (eagle)
     if args.method == "eagle":
-        from specserve.spec.eagle_head import EagleHead, head_arch_from_target
+        from specserve.spec_decode.eagle_head import EagleHead, head_arch_from_target
 
         if args.init:
-            from specserve.spec.heads_io import load_eagle
+            from specserve.spec_decode.heads_io import load_eagle
 
             model = load_eagle(args.init, arch, args.max_model_len + 64)[0]
             log(f"initialised from {args.init}")
@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> None:
                 log(f"held-out agreement by depth ({len(held)} sequences): "
                     + " ".join(f"d{j + 1}={a:.3f}" for j, a in enumerate(acc)))
     else:
-        from specserve.spec.medusa import MedusaHeads
+        from specserve.spec_decode.medusa import MedusaHeads
 
         model = MedusaHeads(args.medusa_heads, 1, arch.hidden_size)
         loss_fn = _medusa_loss

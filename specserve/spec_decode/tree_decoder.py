@@ -7,7 +7,7 @@ this class supplies the three speculative hooks for draft trees:
     chain (causal attention gives the same rows);
   * `sample_and_verify(sched, step)`: every row of every request is processed with the
     request's own sampling parameters (penalties see the node's ancestors), each tree is
-    verified with specserve.spec.tree.verify_tree, the accepted path's KV is compacted into
+    verified with specserve.spec_decode.tree.verify_tree, the accepted path's KV is compacted into
     place (the engine's truncate then rolls back the rest), and the proposer is shown the
     target features of every newly computed committed token (prefill chunks included, from
     StepLogits.all_hidden);
@@ -40,12 +40,12 @@ from specserve.sampler import (
     uniform_noise,
 )
 from specserve.scheduler.scheduler import SchedulerOutput
-from specserve.spec.adaptive import TreeGate
-from specserve.spec.draft_tree import DraftTree
-from specserve.spec.ngram import NgramProposer
-from specserve.spec.quant import check_quantization
-from specserve.spec.step import SpecDecoder, StepResult
-from specserve.spec.tree import children_lists, compaction_slots, verify_tree
+from specserve.spec_decode.adaptive import TreeGate
+from specserve.spec_decode.draft_tree import DraftTree
+from specserve.spec_decode.ngram import NgramProposer
+from specserve.spec_decode.quant import check_quantization
+from specserve.spec_decode.step import SpecDecoder, StepResult
+from specserve.spec_decode.tree import children_lists, compaction_slots, verify_tree
 
 
 def make_tree_proposer(config: SpecConfig, engine):
@@ -56,7 +56,7 @@ def make_tree_proposer(config: SpecConfig, engine):
     if config.method == "eagle":
         from specserve.config import DEFAULT_MODEL
         from specserve.model.loader import canonical_alias
-        from specserve.spec.eagle import EagleProposer
+        from specserve.spec_decode.eagle import EagleProposer
 
         if config.model is None and canonical_alias(engine.config.model.model) != DEFAULT_MODEL:
             raise ValueError("speculative_config.model: the shipped EAGLE head is for the default "
@@ -65,7 +65,7 @@ def make_tree_proposer(config: SpecConfig, engine):
                              min_prob=config.extra.get("min_draft_prob", MIN_DRAFT_PROB.get(device.type, 0.0)),
                              quantize=quantize)
     if config.method == "medusa":
-        from specserve.spec.medusa import MedusaProposer
+        from specserve.spec_decode.medusa import MedusaProposer
 
         if config.model is None:
             raise ValueError("speculative_config.model: method 'medusa' needs a heads directory")

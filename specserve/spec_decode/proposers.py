@@ -4,14 +4,14 @@
 It validates the speculative config (unknown method, k < 1, bad lookup bounds, a draft with
 another vocabulary: ValueError at start) and returns a ChainSpecDecoder around one Proposer:
 
-    ngram        specserve.spec.ngram.NgramProposer (prompt lookup)
-    draft_model  specserve.spec.draft_model.DraftModelProposer (a second model runner)
-    eagle/medusa specserve.spec.tree_decoder.TreeSpecDecoder (tree methods, their own decoder)
+    ngram        specserve.spec_decode.ngram.NgramProposer (prompt lookup)
+    draft_model  specserve.spec_decode.draft_model.DraftModelProposer (a second model runner)
+    eagle/medusa specserve.spec_decode.tree_decoder.TreeSpecDecoder (tree methods, their own decoder)
 
 ChainSpecDecoder inherits sampling and verification from SpecDecoder; it adds `propose`
 (pick each request's draft length with AdaptiveLength, ask the proposer, put the chain on
 the request), feeds verify results back to the adaptive rule, and logs the acceptance
-figures every `log_interval` seconds on the "specserve.spec" logger.
+figures every `log_interval` seconds on the "specserve.spec_decode" logger.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from specserve.config import SpecConfig
 from specserve.model.runner import StepLogits
 from specserve.request import Request
 from specserve.scheduler.scheduler import SchedulerOutput
-from specserve.spec.adaptive import AdaptiveLength
-from specserve.spec.draft_tree import Proposer
-from specserve.spec.step import SpecDecoder, StepResult
+from specserve.spec_decode.adaptive import AdaptiveLength
+from specserve.spec_decode.draft_tree import Proposer
+from specserve.spec_decode.step import SpecDecoder, StepResult
 
-logger = logging.getLogger("specserve.spec")
+logger = logging.getLogger("specserve.spec_decode")
 
 CHAIN_METHODS = ("ngram", "draft_model")
-TREE_METHODS = ("eagle", "medusa")  # specserve.spec.tree_decoder
+TREE_METHODS = ("eagle", "medusa")  # specserve.spec_decode.tree_decoder
 METHODS = CHAIN_METHODS + TREE_METHODS
 # keys of our own, beside vLLM's: "adaptive" (bool, default true), "verify_cost" (float),
 # "medusa_tree" and "lookup_branch" (int >= 0; tree methods), "min_draft_prob" (eagle, 0 <= p < 1);
@@ -79,16 +79,16 @@ def validate_spec_config(config: SpecConfig) -> None:
 def make_spec_decoder(config: SpecConfig, engine) -> SpecDecoder:
     validate_spec_config(config)
     if config.method in TREE_METHODS:
-        from specserve.spec.tree_decoder import TreeSpecDecoder
+        from specserve.spec_decode.tree_decoder import TreeSpecDecoder
 
         return TreeSpecDecoder(config, engine)
     k = config.num_speculative_tokens
     if config.method == "ngram":
-        from specserve.spec.ngram import NgramProposer
+        from specserve.spec_decode.ngram import NgramProposer
 
         proposer: Proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
     else:
-        from specserve.spec.draft_model import DraftModelProposer
+        from specserve.spec_decode.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer(config.model, engine)
     return ChainSpecDecoder(config, engine, proposer)

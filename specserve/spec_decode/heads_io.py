@@ -45,7 +45,7 @@ def _check_compatible(arch: ModelArch, target: ModelArch, what: str) -> None:
 
 def load_eagle(model_dir: Path | str, target: ModelArch, max_positions: int = 8192):
     """-> (EagleHead in float32 on CPU, d2t int64 [N] or None, embed_tokens [V, hidden] or None)."""
-    from specserve.spec.eagle_head import EagleHead
+    from specserve.spec_decode.eagle_head import EagleHead
 
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -94,7 +94,7 @@ def save_eagle(head, d2t: torch.Tensor | None, out_dir: Path | str, dtype=torch.
 
 def load_medusa(model_dir: Path | str, target: ModelArch):
     """-> (MedusaHeads in float32, d2t or None). Accepts the public Medusa layout."""
-    from specserve.spec.medusa import MedusaHeads
+    from specserve.spec_decode.medusa import MedusaHeads
 
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""EagleProposer: EAGLE-2 dynamic draft trees from a feature-level head (specserve.spec.eagle_head).
+"""EagleProposer: EAGLE-2 dynamic draft trees from a feature-level head (specserve.spec_decode.eagle_head).
 
 Per request the proposer keeps a cache, never the truth: the target features f_0..f_{m-1} it
 was shown (`observe`) and the head's K/V for the committed pairs (f_t, x_{t+1}), t < P <= m.
@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 from specserve.config import DEFAULT_DRAFTS
-from specserve.spec.draft_tree import DraftTree
-from specserve.spec.eagle_head import HeadKV
-from specserve.spec.quant import draft_lm_head
+from specserve.spec_decode.draft_tree import DraftTree
+from specserve.spec_decode.eagle_head import HeadKV
+from specserve.spec_decode.quant import draft_lm_head
 
 DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smollm2-135m"
 
@@ -60,7 +60,7 @@ class EagleProposer:
                  quantize: bool = False) -> None:
         """Defaults (also speculative_config's): depth min(4, m), top-2; on a CPU the engine
         also sets min_prob (tree_decoder.MIN_DRAFT_PROB) and quantize."""
-        from specserve.spec.heads_io import load_eagle
+        from specserve.spec_decode.heads_io import load_eagle
 
         m = num_speculative_tokens
         self.m, self.depth, self.topk = m, min(4, m) if depth is None else depth, 2 if topk is None else topk
@@ -77,7 +77,7 @@ class EagleProposer:
         self.d2t = d2t.to(self.device) if d2t is not None else None
         w = target_model.lm_head.weight
         lm_weight = w.index_select(0, self.d2t) if d2t is not None else w  # [N, hidden]
-        self._lm_head = draft_lm_head(self.head, lm_weight, quantize)  # int8 head: specserve.spec.quant
+        self._lm_head = draft_lm_head(self.head, lm_weight, quantize)  # int8 head: specserve.spec_decode.quant
         self.cache: dict[str, _HeadCache] = {}
 
     # -- state ------------------------------------------------------------------------------------

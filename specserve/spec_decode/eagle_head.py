@@ -14,7 +14,7 @@ follow the public EAGLE-1 checkpoint layout (`fc.*`, `layers.0.self_attn.q_proj.
 so `state_dict()` of this module is such a checkpoint.
 
 This module is the network only: the per-request KV cache and tree expansion live in
-specserve.spec.eagle, checkpoint files in specserve.spec.heads_io.
+specserve.spec_decode.eagle, checkpoint files in specserve.spec_decode.heads_io.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 
 from specserve.request import Request
-from specserve.spec.draft_tree import DraftTree
+from specserve.spec_decode.draft_tree import DraftTree
 
 
 class _TokenBuffer:

@@ -4,7 +4,7 @@ A draft is a tree of candidate tokens that hangs off a request's last committed 
 are listed parents first; `parents[i]` is the index of node i's parent, or -1 for a node that
 directly follows the committed tokens. A chain (n-gram, draft model) is the tree whose node i
 has parent i - 1. Tree methods (EAGLE, Medusa) will return wider trees through the same
-record; the verifier in specserve.spec.step accepts chains only for now.
+record; the verifier in specserve.spec_decode.step accepts chains only for now.
 
 `probs` holds the distribution each node was drawn from (the draft's processed distribution,
 q in the Leviathan/Chen rule) when the method has one; None means every node is one-hot (an

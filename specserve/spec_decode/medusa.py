@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import DEFAULT_DRAFTS
-from specserve.spec.quant import draft_lm_head
+from specserve.spec_decode.quant import draft_lm_head
 
 
 class ResBlock(nn.Module):
@@ -93,7 +93,7 @@ class MedusaProposer:
 
     def __init__(self, target_model, heads_dir, num_speculative_tokens: int = DEFAULT_DRAFTS["medusa"],
                  tree: list | None = None, quantize: bool = False) -> None:
-        from specserve.spec.heads_io import load_medusa
+        from specserve.spec_decode.heads_io import load_medusa
 
         w = target_model.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
@@ -101,7 +101,7 @@ class MedusaProposer:
         self.heads = heads.to(self.device, self.dtype)
         self.d2t = d2t.to(self.device) if d2t is not None else None
         lm_weight = w.index_select(0, self.d2t) if d2t is not None else w
-        self.lm_head = draft_lm_head(self.heads, lm_weight, quantize)  # int8 heads: specserve.spec.quant
+        self.lm_head = draft_lm_head(self.heads, lm_weight, quantize)  # int8 heads: specserve.spec_decode.quant
         self.paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
@@ -115,7 +115,7 @@ class MedusaProposer:
 
     @torch.inference_mode()
     def propose_one(self, req, max_drafts: int):
-        from specserve.spec.draft_tree import DraftTree
+        from specserve.spec_decode.draft_tree import DraftTree
 
         seen = self.last.get(req.request_id)
         if seen is None or seen[0] != req.num_tokens - 2 or max_drafts < 1:

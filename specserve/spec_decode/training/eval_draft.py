@@ -1,8 +1,8 @@
 """Measure a draft head's greedy acceptance on the default model with the hand-written tree
-loop (specserve.spec.tree): mean tokens emitted per verify step (accepted drafts + 1), and the
+loop (specserve.spec_decode.tree): mean tokens emitted per verify step (accepted drafts + 1), and the
 wall time against plain greedy decoding of the same prompts (output checked equal).
 
-    python -m specserve.spec.eval_draft [--method eagle|medusa] [--head DIR] [--m 16 --depth 5 --topk 4]
+    python -m specserve.spec_decode.training.eval_draft [--method eagle|medusa] [--head DIR] [--m 16 --depth 5 --topk 4]
 
 The prompts are our own, written for this check: neither Spec-Bench nor the training templates.
 """
@@ -34,7 +34,7 @@ class _NoDrafts:
 
 def run_loop(runner, kv, tok, proposer, prompts: list[str], num_tokens: int, max_drafts: int):
     from specserve.request import Request, SamplingParams
-    from specserve.spec.tree import prefill_step, tree_spec_step
+    from specserve.spec_decode.tree import prefill_step, tree_spec_step
 
     reqs = []
     for i, p in enumerate(prompts):
@@ -84,11 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"plain greedy: {t_plain:.1f} s for {len(prompts)} x {args.tokens} tokens", flush=True)
     for m in args.m:
         if args.method == "eagle":
-            from specserve.spec.eagle import EagleProposer
+            from specserve.spec_decode.eagle import EagleProposer
 
             prop = EagleProposer(runner.model, args.head, m, args.depth, args.topk)
         else:
-            from specserve.spec.medusa import MedusaProposer
+            from specserve.spec_decode.medusa import MedusaProposer
 
             prop = MedusaProposer(runner.model, args.head, m)
         out, per_step, t = run_loop(runner, kv, tok, prop, prompts, args.tokens, m)

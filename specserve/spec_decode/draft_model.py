@@ -37,7 +37,7 @@ from specserve.model.loader import resolve_model_dir
 from specserve.model.runner import ModelRunner
 from specserve.request import Request
 from specserve.sampler import SamplingBatch, apply_penalties, exponential_noise, processed_probs
-from specserve.spec.draft_tree import DraftTree
+from specserve.spec_decode.draft_tree import DraftTree
 
 _DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's noise stream must differ from the verifier's
 _MAX_BATCHED_CATCH_UP = 16  # longer catch-ups would blow up the batch's dense attention mask
