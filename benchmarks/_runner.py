@@ -17,6 +17,17 @@ def default_runner(num_blocks: int, max_model_len: int = 4096):
     return runner, KVCacheManager(num_blocks, 16, enable_prefix_caching=False)
 
 
+def prompt_features(runner, kv, req):
+    """The target's final hidden states over a request's whole prompt ([n, hidden]), its KV
+    computed (one forward; the caller frees the request's blocks)."""
+    from specserve.scheduler.scheduler import SchedulerOutput
+
+    kv.allocate(req, req.num_tokens)
+    step = runner.execute(SchedulerOutput([req], [req.num_tokens], [0]))
+    req.num_computed_tokens = req.num_tokens
+    return step.all_hidden
+
+
 def timed(totals: dict, key: str, fn):
     """fn, adding the seconds of each call to totals[key]."""
     def wrapper(*args, **kwargs):

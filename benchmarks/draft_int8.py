@@ -53,10 +53,10 @@ def layer_table(prop, rows: list[int], runs: int) -> None:
 def main() -> None:
     import torch
 
-    from benchmarks._runner import default_runner
+    from benchmarks._runner import default_runner, prompt_features
     from specserve.request import Request, SamplingParams
+    from specserve.spec_decode.draft_tree import ProposeBatch
     from specserve.spec_decode.eagle import EagleProposer
-    from specserve.spec_decode.tree import prefill_step
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=300, help="committed tokens the head has seen")
@@ -74,22 +74,21 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     req = Request("r", torch.randint(0, 40000, (args.context,), generator=g).tolist(), SamplingParams(), set(), 0)
 
-    class Both:  # shows both heads the prompt's features
-        def observe(self, r, start, hidden):
-            for h in heads.values():
-                h.observe(r, start, hidden)
-
-    prefill_step(runner, kv, [req], Both())
-    for prop in heads.values():  # the head's pass over the whole prompt
-        prop.propose_one(req, args.m)
+    hidden = prompt_features(runner, kv, req)
+    req.all_token_ids.append(0)  # the pending token
+    batch = ProposeBatch([req.request_id], [req.all_token_ids], [args.m], -float("inf"), [req.params], [0],
+                         [req.block_ids], [req.num_computed_tokens])
+    for prop in heads.values():  # the prompt's features, and the head's pass over the whole prompt
+        prop.observe([req.request_id], [0], [hidden])
+        prop.propose(batch)
     times = {name: float("inf") for name in heads}
     trees = {}
     for _ in range(args.runs):
         for name, prop in heads.items():
             c = prop.cache[req.request_id]
-            prop._truncate_pairs(c, c.pairs - args.redo)  # the first pass covers `redo` committed tokens
+            c.pairs, c.last_out = c.pairs - args.redo, None  # the first pass covers `redo` committed tokens
             start = time.perf_counter()
-            trees[name] = prop.propose_one(req, args.m)
+            trees[name] = prop.propose(batch)[0]
             times[name] = min(times[name], time.perf_counter() - start)
     full, int8 = trees["full"], trees["int8"]
     same = sum(a == b for a, b in zip(full.tokens, int8.tokens)) if full and int8 else 0

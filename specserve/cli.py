@@ -30,7 +30,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
-    gen.add_argument("--speculative-config", default=None)
+    gen.add_argument("--speculative-config", default="auto")
 
     from specserve.spec_decode.training import train
 

@@ -46,16 +46,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024
 
 
-# drafts per step when num_speculative_tokens is not given: chains of 3; EAGLE trees of 8 nodes
-# (measured best for the shipped head on CPU, docs/benchmarks.md); Medusa: its whole tree
-DEFAULT_DRAFTS = {"ngram": 3, "draft_model": 3, "eagle": 8, "medusa": 64}
+# the most drafts per step when num_speculative_tokens is not given (the cost model verifies
+# what pays of them): lookup chains of 8, draft-model chains of 4, EAGLE trees of 8 nodes
+# (the shipped head's best size where rows are nearly free, docs/benchmarks.md), Medusa's
+# whole tree
+DEFAULT_DRAFTS = {"ngram": 8, "draft_model": 4, "eagle": 8, "medusa": 64}
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """vLLM's --speculative-config keys. method None means no speculation."""
+    """vLLM's --speculative-config keys. method None means no speculation; "auto" (the
+    default of LLM and `specserve serve`) is resolved by the engine (spec_decode.methods)."""
 
-    method: str | None = None  # ngram | draft_model | eagle | medusa
+    method: str | None = None  # auto | ngram | draft_model | eagle | medusa
     num_speculative_tokens: int | None = None  # None: the method's default (DEFAULT_DRAFTS)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
@@ -65,13 +68,16 @@ class SpecConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens is None and self.method is not None:
+        if self.num_speculative_tokens is None and self.method not in (None, "auto"):
             object.__setattr__(self, "num_speculative_tokens", DEFAULT_DRAFTS.get(self.method, 3))
 
     @staticmethod
     def parse(value: str | dict | None) -> "SpecConfig":
-        if value is None or value == "" or value == {}:
+        """None, "", "none" or {}: no speculation; "auto": the default method; else vLLM's JSON."""
+        if value is None or value == {} or (isinstance(value, str) and value.strip().lower() in ("", "none", "off")):
             return SpecConfig()
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return SpecConfig(method="auto")
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -101,7 +107,7 @@ class EngineConfig:
                block_size: int = 16, num_blocks: int | None = None,
                kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
                max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-               speculative_config: str | dict | SpecConfig | None = None) -> "EngineConfig":
+               speculative_config: str | dict | SpecConfig | None = "auto") -> "EngineConfig":
         if dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         if load_format not in ("auto", "dummy"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from transformers import AutoTokenizer
 
@@ -20,11 +20,11 @@ from specserve.detokenizer import IncrementalDetokenizer
 from specserve.kv_cache.manager import KVCacheManager, cdiv
 from specserve.model.arch import ModelArch
 from specserve.model.loader import canonical_alias, resolve_model_dir
-from specserve.model.runner import ModelRunner
+from specserve.model.runner import ModelRunner, kv_bytes_per_block, pick_device, pick_dtype
 from specserve.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
                                SamplingParams, TokenLogprob)
 from specserve.scheduler.scheduler import Scheduler
-from specserve.spec_decode.step import SpecDecoder
+from specserve.spec_decode import methods
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,21 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
-        self.runner = ModelRunner(self.model_dir, self.arch, mc, config.cache, self.max_model_len)
-        # before the block manager: a draft model takes its share of the KV memory budget
-        self.spec = SpecDecoder.create(config.spec, self)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
+        spec_config = methods.resolve(config.spec, mc.model)
+        if spec_config.method is not None:
+            methods.validate(spec_config)
+        cache = config.cache
+        if cache.num_blocks is None:  # one memory budget for the target's KV and a draft model's
+            dtype = pick_dtype(mc.dtype, pick_device(mc.device))
+            per_block = (kv_bytes_per_block(self.arch, cache.block_size, dtype)
+                         + methods.kv_bytes_per_block(spec_config, self.arch, cache.block_size, dtype))
+            cache = replace(cache, num_blocks=max(16, int(cache.kv_cache_memory_gb * (1 << 30)) // per_block))
+        self.runner = ModelRunner(self.model_dir, self.arch, mc, cache, self.max_model_len)
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self._stats = EngineStats()
+        self.spec = methods.make_decoder(spec_config, self.runner, self.kv, self._stats, mc,
+                                         self.max_model_len, config.scheduler)
         self.model_name = canonical_alias(mc.model) or mc.model
         self.model_aliases = [a for a in {mc.model, self.model_dir.name} if a != self.model_name]
         eos = set(self.arch.eos_token_ids)
@@ -77,11 +86,11 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Request] = []
         self._rng = random.Random(mc.seed)
-        self._stats = EngineStats(spec_accepted_per_pos=[0] * self.spec.max_drafts)
         print(f"[specserve] model ready in {time.time() - start:.1f} s "
               f"({self.arch.num_layers} layers, vocab {self.arch.vocab_size}, "
               f"{self.runner.num_blocks} KV blocks, {self.runner.device} "
-              f"{str(self.runner.dtype).removeprefix('torch.')})", flush=True)
+              f"{str(self.runner.dtype).removeprefix('torch.')}, speculation: "
+              f"{spec_config.method or 'off'})", flush=True)
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -147,9 +156,13 @@ class Engine:
         outputs = [self._output(r) for r in self._aborted]
         self._aborted = []
         sched = self.scheduler.schedule()  # 1. schedule
+        for req in sched.preempted:
+            self.spec.reset(req)
         if not sched.requests:
             return outputs
+        start = time.perf_counter()
         step_logits = self.runner.execute(sched, self.spec.tree_parents(sched))  # 2. execute
+        self.spec.observe_forward(sched, time.perf_counter() - start)
         emitted = self.spec.sample_and_verify(sched, step_logits)  # 3. sample / verify
         self._stats.num_steps += 1
         self._stats.computed_tokens_total += sched.total_tokens
@@ -158,10 +171,9 @@ class Engine:
             if result is None:
                 continue
             tokens, logprobs = result
-            if k:
-                self.kv.truncate(req, req.num_computed_tokens - (k - (len(tokens) - 1)))
-                req.spec_token_ids = []
-                req.spec_draft_probs = None
+            # past the last accepted token, and any slots reserved for drafts not verified
+            self.kv.truncate(req, req.num_computed_tokens - (k - (len(tokens) - 1)))
+            req.spec_token_ids = []
             self._append(req, tokens, logprobs)
             if req.finished:
                 self._finish(req)
@@ -197,18 +209,24 @@ class Engine:
     def _finish(self, req: Request) -> None:
         req.finished_time = time.time()
         self.scheduler.remove(req)
+        self.spec.free(req.request_id)
         self._detok[req.request_id].flush()
 
     def _output(self, req: Request) -> RequestOutput:
+        """The request's state for its stream: text and token_ids cumulative, logprobs only
+        those of the tokens new since its last output."""
         finished = req.finished
         detok = self._detok[req.request_id]
+        new_logprobs = req.logprobs
+        if new_logprobs is not None:
+            req.logprobs = []
         out = RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=[CompletionOutput(
                 index=0, text=detok.visible_text(finished), token_ids=req.output_token_ids,
                 finish_reason=req.status.value if finished else None,
                 stop_reason=req.stop_reason,
-                logprobs=list(req.logprobs) if req.logprobs is not None else None)],
+                logprobs=new_logprobs)],
             finished=finished, num_cached_tokens=req.num_cached_tokens,
             num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
             arrival_time=req.arrival_time, first_token_time=req.first_token_time,

@@ -20,7 +20,7 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, speculative_config: dict | str | None = None,
+    def __init__(self, model: str | None = None, *, speculative_config: dict | str | None = "auto",
                  **engine_args: Any) -> None:
         self.engine = Engine(EngineConfig.create(model, speculative_config=speculative_config,
                                                  **engine_args))
@@ -97,10 +97,15 @@ class LLM:
                 ids_of_group.append(rid)
             groups.append(ids_of_group)
         finished: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list] = {}  # engine outputs carry new logprobs only
         bar = tqdm(total=sum(len(g) for g in groups), desc="Generating", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    c = out.outputs[0]
+                    if c.logprobs is not None:
+                        logprobs.setdefault(out.request_id, []).extend(c.logprobs)
+                        c.logprobs = logprobs[out.request_id]
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)

@@ -117,6 +117,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    # from Engine.step: the tokens new since the request's last output; from LLM.generate: all
     logprobs: list[TokenLogprob] | None = None
 
     @property
@@ -163,11 +164,11 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at the last admission
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
-        self.spec_draft_probs = None  # optional draft probabilities [k, V] for sampled verify
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full committed blocks
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # logprobs of committed tokens not yet in an output (Engine._output hands them over)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

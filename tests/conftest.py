@@ -24,10 +24,11 @@ def _register(llm):
 
 @pytest.fixture(scope="session")
 def llm():
-    """The default model (SmolLM2-135M-Instruct), greedy-friendly defaults."""
+    """The default model (SmolLM2-135M-Instruct) decoding plainly: the reference that
+    speculative engines are compared with."""
     from specserve import LLM
 
-    return _register(LLM(max_model_len=2048))
+    return _register(LLM(max_model_len=2048, speculative_config=None))
 
 
 @pytest.fixture(scope="session")

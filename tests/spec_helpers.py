@@ -20,9 +20,12 @@ def set_num_drafts(llm, k: int) -> None:
     """Use k drafts per step (<= the configured k) with adaptive length off: one engine
     serves k = 1, 3 and 5 instead of loading the model three times."""
     spec = llm.engine.spec
-    assert k <= spec.max_drafts
-    spec.adaptive.enabled = False
-    spec.adaptive.max_drafts = k
+    configured = spec.__dict__.setdefault("configured_drafts", spec.max_drafts)
+    assert k <= configured
+    spec.policy.adaptive = False
+    spec.max_drafts = k
+    if spec.lookup is not None:
+        spec.lookup.k = k
 
 
 def token_ids(outputs) -> list[list[int]]:

@@ -1,67 +1,56 @@
-"""EAGLE and Medusa proposers: public checkpoint layouts load and draft; the hand-written tree
-loop (specserve.spec_decode.tree.tree_spec_step) reproduces plain greedy decoding token for token, on
-a tiny random model and on the default model with the shipped head; KV blocks are freed."""
+"""EAGLE and Medusa: public checkpoint layouts load and draft; through the engine, trees of a
+random head (int8, as on a CPU) reproduce plain greedy decoding token for token, and the
+shipped head does on the default model; the cost model's cut and a gated-off head."""
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from specserve.config import CacheConfig, ModelConfig
+from benchmarks._runner import prompt_features
+from specserve.config import CacheConfig, ModelConfig, SpecConfig
 from specserve.kv_cache.manager import KVCacheManager
 from specserve.model.arch import ModelArch
 from specserve.model.runner import ModelRunner
 from specserve.request import Request, SamplingParams
+from specserve.spec_decode.cost_model import Curve
+from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.eagle import DEFAULT_EAGLE_DIR, EagleProposer
-from specserve.spec_decode.eagle_head import EagleHead, HeadKV
+from specserve.spec_decode.eagle_head import EagleHead, HeadKV, Segment
 from specserve.spec_decode.heads_io import load_eagle, save_eagle
-from specserve.spec_decode.medusa import MedusaProposer
-from specserve.spec_decode.tree import prefill_step, tree_spec_step
+from specserve.spec_decode.policy import PROBE_FIRST
 
 TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
         "tie_word_embeddings": True}
+HEAD = {**TINY, "num_hidden_layers": 1}
 EAGLE1_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
                *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
                *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": [5, 9, 17, 33, 2, 8, 8, 1, 4]}, {"prompt_token_ids": [7, 7, 1, 80]}]
 
 
-class NoDrafts:
-    def observe(self, req, start, hidden):
-        pass
-
-    def propose(self, reqs, max_drafts):
-        return [None] * len(reqs)
-
-
-def tiny_runner(tmp_path: Path):
-    arch = ModelArch.from_dict(TINY)
-    runner = ModelRunner(None, arch, ModelConfig(load_format="dummy", seed=3),
-                         CacheConfig(block_size=4, num_blocks=128), 256)
-    return arch, runner, KVCacheManager(128, 4, enable_prefix_caching=False)
-
-
-def write_eagle1(path: Path, arch: ModelArch, seed: int = 0) -> None:
+def write_eagle1(path: Path, seed: int = 0) -> Path:
     """An EAGLE-1 checkpoint in the public layout (pytorch_model.bin, no input_layernorm)."""
-    head = EagleHead(arch)
+    head = EagleHead(ModelArch.from_dict(HEAD))
     g = torch.Generator().manual_seed(seed)
     state = {k: torch.randn(v.shape, generator=g) * 0.3 for k, v in head.state_dict().items()}
-    state["embed_tokens.weight"] = torch.randn(arch.vocab_size, arch.hidden_size, generator=g)
+    state["embed_tokens.weight"] = torch.randn(TINY["vocab_size"], TINY["hidden_size"], generator=g)
     path.mkdir(parents=True, exist_ok=True)
     torch.save(state, path / "pytorch_model.bin")
-    (path / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1,
-                                                  "architectures": ["LlamaForCausalLM"]}))
+    (path / "config.json").write_text(json.dumps({**HEAD, "architectures": ["LlamaForCausalLM"]}))
+    return path
 
 
-def write_medusa(path: Path, arch: ModelArch, heads: int = 3) -> None:
+def write_medusa(path: Path, heads: int = 3) -> Path:
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(1)
-    h, v = arch.hidden_size, arch.vocab_size
+    h, v = TINY["hidden_size"], TINY["vocab_size"]
     state = {}
     for k in range(heads):
         state[f"{k}.0.linear.weight"] = torch.randn(h, h, generator=g) * 0.1
@@ -71,141 +60,67 @@ def write_medusa(path: Path, arch: ModelArch, heads: int = 3) -> None:
     save_file(state, str(path / "medusa_lm_head.safetensors"))
     (path / "config.json").write_text(json.dumps({"medusa_num_heads": heads, "medusa_num_layers": 1,
                                                   "base_model_name_or_path": "tiny"}))
+    return path
 
 
-def make_requests(prompts: list[list[int]]) -> list[Request]:
-    return [Request(str(i), p, SamplingParams(temperature=0.0), set(), 0) for i, p in enumerate(prompts)]
+def tiny_llm(tmp_path: Path, speculative_config=None, **kwargs):
+    """The engine on a tiny random model (the default model's tokenizer, ids < 96)."""
+    import shutil
+
+    from specserve import LLM
+    from specserve.model.loader import resolve_model_dir
+
+    model_dir = tmp_path / "tiny-model"
+    if not model_dir.exists():
+        model_dir.mkdir()
+        for f in resolve_model_dir("smollm2-135m-instruct").iterdir():
+            if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+                shutil.copy(f, model_dir / f.name)
+        (model_dir / "config.json").write_text(json.dumps({**TINY, "eos_token_id": 95}))
+    return LLM(str(model_dir), load_format="dummy", seed=3, max_model_len=256, num_blocks=96,
+               block_size=4, speculative_config=speculative_config, **kwargs)
 
 
-def decode(runner, kv, proposer, prompts, num_tokens: int, max_drafts: int = 64):
-    reqs = make_requests(prompts)
-    prefill_step(runner, kv, reqs, proposer)
-    steps = 0
-    while min(r.num_output_tokens for r in reqs) < num_tokens:
-        tree_spec_step(runner, kv, reqs, proposer, max_drafts)
-        steps += 1
-    out = [r.output_token_ids[:num_tokens] for r in reqs]
-    emitted = sum(r.num_output_tokens - 1 for r in reqs)
-    for r in reqs:
-        kv.free(r)
-        getattr(proposer, "free", lambda rid: None)(r.request_id)
-    return out, emitted / max(1, steps * len(reqs))
+def greedy_ids(llm, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def propose_batch(reqs, m: int, min_score: float = -math.inf) -> ProposeBatch:
+    return ProposeBatch([r.request_id for r in reqs], [r.all_token_ids for r in reqs], [m] * len(reqs),
+                        min_score, [r.params for r in reqs], [0] * len(reqs), [r.block_ids for r in reqs],
+                        [r.num_computed_tokens for r in reqs])
 
 
 def test_eagle1_layout_has_no_input_norm_and_loads(tmp_path):
-    arch = ModelArch.from_dict({**TINY, "num_hidden_layers": 1})
+    arch = ModelArch.from_dict(HEAD)
     assert set(EagleHead(arch).state_dict()) == EAGLE1_KEYS
-    write_eagle1(tmp_path / "eagle", arch)
-    head, d2t, embed = load_eagle(tmp_path / "eagle", arch)
+    head, d2t, embed = load_eagle(write_eagle1(tmp_path / "eagle"), arch)
     assert d2t is None and embed.shape == (96, 64) and head.layers[0].input_layernorm is None
 
 
 def test_eagle_round_trip_with_restricted_vocab(tmp_path):
-    arch = ModelArch.from_dict({**TINY, "num_hidden_layers": 1})
+    arch = ModelArch.from_dict(HEAD)
     head = EagleHead(arch)
     d2t = torch.arange(0, 96, 3)
     save_eagle(head, d2t, tmp_path / "ours")
     loaded, d2t2, _ = load_eagle(tmp_path / "ours", arch)
     assert torch.equal(d2t2, d2t)
     x = torch.randn(1, 5, 64)
-    out1 = head(x, x, torch.arange(5))[0]
-    out2 = loaded(x, x, torch.arange(5))[0]
-    assert torch.allclose(out1, out2, atol=2e-2)
-
-
-def test_eagle_tree_shape_and_greedy_equivalence(tmp_path):
-    arch, runner, kv = tiny_runner(tmp_path)
-    write_eagle1(tmp_path / "eagle", arch)
-    prop = EagleProposer(runner.model, tmp_path / "eagle", num_speculative_tokens=10, depth=4, topk=3)
-    prompts = [[5, 9, 17, 33, 2], [7, 7, 1, 80, 44, 3, 12]]
-    reqs = make_requests(prompts)
-    prefill_step(runner, kv, reqs, prop)
-    tree = prop.propose(reqs, [10, 4])
-    assert [len(t) for t in tree] == [10, 4]
-    for t in tree:
-        assert all(-1 <= p < i for i, p in enumerate(t.parents)) and max(t.depth) <= 4
-    for r in reqs:
-        kv.free(r)
-    ref, _ = decode(runner, kv, NoDrafts(), prompts, 20)
-    got, _ = decode(runner, kv, prop, prompts, 20)
-    assert got == ref
-    assert kv.num_free_blocks == kv.num_total_blocks
-
-
-def test_medusa_layout_loads_and_matches_greedy(tmp_path):
-    arch, runner, kv = tiny_runner(tmp_path)
-    write_medusa(tmp_path / "medusa", arch)
-    prop = MedusaProposer(runner.model, tmp_path / "medusa")
-    prompts = [[5, 9, 17, 33, 2], [1, 2, 3]]
-    ref, _ = decode(runner, kv, NoDrafts(), prompts, 16)
-    got, _ = decode(runner, kv, prop, prompts, 16)
-    assert got == ref
-    assert kv.num_free_blocks == kv.num_total_blocks
-
-
-@pytest.mark.skipif(not (DEFAULT_EAGLE_DIR / "model.safetensors").is_file(), reason="no shipped head")
-def test_shipped_head_on_default_model_equals_plain_greedy():
-    from transformers import AutoTokenizer
-
-    from specserve.model.loader import resolve_model_dir
-
-    model_dir = resolve_model_dir("smollm2-135m-instruct")
-    arch = ModelArch.from_dir(model_dir)
-    runner = ModelRunner(model_dir, arch, ModelConfig(), CacheConfig(num_blocks=64), 1024)
-    kv = KVCacheManager(64, 16, enable_prefix_caching=False)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Explain how a bicycle works."}],
-                                     add_generation_prompt=True, return_dict=True)["input_ids"]
-    prop = EagleProposer(runner.model, num_speculative_tokens=12, depth=5, topk=3)
-    ref, _ = decode(runner, kv, NoDrafts(), [list(prompt)], 32)
-    start = time.time()
-    got, accept = decode(runner, kv, prop, [list(prompt)], 32)
-    print(f"\nshipped EAGLE head: mean tokens per step {accept:.2f} ({time.time() - start:.1f} s)")
-    assert got == ref
-    assert accept > 1.2
-    assert kv.num_free_blocks == kv.num_total_blocks
-
-
-def tiny_llm(tmp_path: Path, **kwargs):
-    """The engine on a tiny random model (the default model's tokenizer, ids < 96); kwargs go
-    to LLM (e.g. speculative_config)."""
-    import shutil
-
-    from specserve import LLM
-    from specserve.model.loader import resolve_model_dir
-
-    src = resolve_model_dir("smollm2-135m-instruct")
-    model_dir = tmp_path / "tiny-model"
-    model_dir.mkdir()
-    for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
-            shutil.copy(f, model_dir / f.name)
-    (model_dir / "config.json").write_text(json.dumps({**TINY, "eos_token_id": 95}))
-    return LLM(str(model_dir), load_format="dummy", seed=3, max_model_len=256, num_blocks=96,
-               block_size=4, **kwargs)
+    torch.testing.assert_close(head(x, x, torch.arange(5))[0], loaded(x, x, torch.arange(5))[0], atol=2e-2, rtol=0)
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
-def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
+def test_trees_in_the_engine_equal_plain_greedy(tmp_path, method, caplog):
     import logging
 
-    from specserve.config import SpecConfig
-    from specserve.spec_decode.tree_decoder import TreeSpecDecoder
-
-    llm = tiny_llm(tmp_path)
+    ref = greedy_ids(tiny_llm(tmp_path))
+    head = write_eagle1(tmp_path / "head") if method == "eagle" else write_medusa(tmp_path / "head")
+    config = {"method": method, "model": str(head), "num_speculative_tokens": 10, "adaptive": False,
+              "quantization": "int8", "lookup_branch": 0}
+    if method == "eagle":
+        config.update(depth=4, topk=3)
+    llm = tiny_llm(tmp_path, config)
     engine = llm.engine
-    arch = engine.arch
-    prompts = [{"prompt_token_ids": [5, 9, 17, 33, 2, 8, 8, 1, 4]}, {"prompt_token_ids": [7, 7, 1, 80]}]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    if method == "eagle":  # int8 heads, as the engine makes them on a CPU
-        write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
-        prop = EagleProposer(engine.runner.model, tmp_path / "head", 10, depth=4, topk=3, quantize=True)
-    else:
-        write_medusa(tmp_path / "head", arch)
-        prop = MedusaProposer(engine.runner.model, tmp_path / "head", quantize=True)
-    engine.spec = TreeSpecDecoder(SpecConfig(method=method, num_speculative_tokens=10), engine, prop)
-    engine.spec.gate.enabled = False  # a random head's trees never pay: keep verifying them
     engine.spec.log_interval = 0.0
     shapes = {True: 0, False: 0}  # drafts verified as a chain / as a tree
     tree_parents = engine.spec.tree_parents
@@ -214,46 +129,180 @@ def test_tree_spec_decoder_in_the_engine(tmp_path, method, caplog):
         out = tree_parents(sched)
         for i, (req, k) in enumerate(zip(sched.requests, sched.num_drafts)):
             if k:
-                chain = engine.spec._tree(req, k).is_chain
+                chain = engine.spec._scheduled(req, k).is_chain
                 assert (out is None or out[i] is None) == chain
                 shapes[chain] += 1
         return out
 
     engine.spec.tree_parents = checked_tree_parents
     with caplog.at_level(logging.INFO, logger="specserve.spec_decode"):
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]  # prefix-cache hits now
+        assert greedy_ids(llm) == ref
+        assert greedy_ids(llm) == ref  # prefix-cache hits now
     assert "acceptance" in caplog.text.lower()  # the periodic acceptance line
-    assert got == ref
     assert engine.stats.spec_num_drafts > 0 and shapes[False] > 0
-    sampled = llm.generate(prompts, SamplingParams(temperature=0.9, max_tokens=20, seed=7, ignore_eos=True))
+    sampled = llm.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=20, seed=7, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 20 for o in sampled)
     assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
-    assert not engine.spec._tracks
+    prop = engine.spec.proposer
+    assert not engine.spec.states and not getattr(prop, "cache", None) and not getattr(prop, "last", None)
+
+
+class Oracle:
+    """A proposer that knows plain greedy's output and hides it in a tree behind decoys:
+    accepted paths are never a prefix of the tree, so their KV must be moved into place."""
+
+    name, needs_hidden = "oracle", False
+
+    def __init__(self, outputs: dict[tuple, list[int]]) -> None:
+        self.outputs = outputs  # prompt -> greedy output
+
+    def observe(self, *args) -> None:
+        pass
+
+    def free(self, request_id: str) -> None:
+        pass
+
+    def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:
+        trees = []
+        for tokens in batch.token_ids:
+            prompt, out = next((p, o) for p, o in self.outputs.items() if list(p) == tokens[:len(p)])
+            c = (out + [0, 0, 0])[len(tokens) - len(prompt):][:3]
+            d = [(t + 1) % 96 for t in c]
+            trees.append(DraftTree([d[0], c[0], d[1], c[1], c[2]], [-1, -1, 1, 1, 3]))
+        return trees
+
+
+def test_oracle_trees_move_the_accepted_paths_kv(tmp_path):
+    ref = greedy_ids(tiny_llm(tmp_path))
+    llm = tiny_llm(tmp_path, {"method": "ngram", "adaptive": False})
+    spec = llm.engine.spec
+    spec.proposer, spec.lookup, spec.max_drafts = Oracle({tuple(p["prompt_token_ids"]): o
+                                                          for p, o in zip(PROMPTS, ref)}), None, 5
+    assert greedy_ids(llm) == ref
+    stats = llm.engine.stats
+    assert stats.spec_num_accepted_tokens >= 2 * stats.spec_num_drafts  # three a step, but at the end
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.skipif(not (DEFAULT_EAGLE_DIR / "model.safetensors").is_file(), reason="no shipped head")
+def test_shipped_head_on_default_model_equals_plain_greedy(llm, make_llm):
+    prompt = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user",
+                                                              "content": "Explain how a bicycle works."}])}]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    spec = make_llm(max_model_len=1024, speculative_config={"method": "eagle", "adaptive": False,
+                                                           "num_speculative_tokens": 12, "depth": 5, "topk": 3})
+    got = greedy_ids(spec, prompt, params)
+    assert got == greedy_ids(llm, prompt, params)
+    stats = spec.engine.stats
+    per_step = stats.spec_num_accepted_tokens / stats.spec_num_drafts
+    print(f"\nshipped EAGLE head: mean acceptance length {1 + per_step:.2f}")
+    assert per_step > 0.5
+
+
+def test_tree_shape_and_the_cost_models_cut(tmp_path):
+    """Trees have at most m nodes and `depth` levels; a cut by score drafts exactly the nodes
+    of the full expansion that score above it (skipping unlikely nodes' expansion loses none
+    that could pass), and a cut no node reaches drafts nothing."""
+    import specserve.spec_decode.eagle as eagle_mod
+
+    arch = ModelArch.from_dict(TINY)
+    runner = ModelRunner(None, arch, ModelConfig(load_format="dummy", seed=3), CacheConfig(4, 64), 256)
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    prop = EagleProposer(runner.model, write_eagle1(tmp_path / "eagle"), 8, depth=3, topk=3)
+    reqs = [Request(str(i), p, SamplingParams(temperature=0), set(), 0)
+            for i, p in enumerate([[5, 9, 17, 33, 2], [7, 7, 1, 80, 44, 3, 12]])]
+    for r in reqs:
+        prop.observe([r.request_id], [0], [prompt_features(runner, kv, r)])
+        r.all_token_ids.append(11)  # one pending token, as after a step
+    full = prop.propose(propose_batch(reqs, 8))
+    assert [len(t) for t in full] == [8, 8] and all(max(t.depth) <= 3 for t in full)
+    seen = []
+    rerank = eagle_mod._rerank
+    eagle_mod._rerank = lambda t, p, s, *rest: seen.append((list(t), list(p), list(s))) or rerank(t, p, s, *rest)
+    try:
+        prop.propose(propose_batch(reqs, 8))
+        ranked = sorted(seen[0][2], reverse=True)  # the first request keeps at least 5 nodes; the
+        i = next(i for i in range(4, len(ranked) - 1) if ranked[i] - ranked[i + 1] > 1e-3)  # cut in a gap:
+        cut = (ranked[i] + ranked[i + 1]) / 2  # a pass's last bits depend on its rows (float32)
+        pruned = prop.propose(propose_batch(reqs, 8, cut))
+    finally:
+        eagle_mod._rerank = rerank
+    for got, (t, p, s) in zip(pruned, seen):
+        want = rerank(t, p, s, 8, cut)
+        assert (got.tokens, got.parents) == (want.tokens, want.parents) if len(want) else got is None
+        assert got is None or min(got.scores) >= cut
+    assert sum(len(t or []) for t in pruned) < 16
+    assert prop.propose(propose_batch(reqs, 8, math.log(0.999))) == [None, None]
+    for r in reqs:
+        kv.free(r)
+
+
+def test_a_gated_off_head_adds_no_work(tmp_path):
+    """A head that does not pay runs on no step but its probes; a probe catches the head up on
+    every committed token since its last run in one batched pass, and output stays exact."""
+    ref = greedy_ids(tiny_llm(tmp_path))
+    llm = tiny_llm(tmp_path, {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")),
+                              "lookup_branch": 0, "quantization": "none"})
+    spec = llm.engine.spec
+    spec.policy.draft_cost = Curve({1: 100.0})  # a head pass costs 100 s: it never pays
+    head, passes = spec.proposer.head, []
+    forward = head.forward
+
+    def counted(*args, **kwargs):
+        passes[-1].append(sum(s.rows for s in kwargs["segments"]))
+        return forward(*args, **kwargs)
+
+    head.forward = counted
+    step = llm.engine.step
+
+    def counted_step():
+        passes.append([])
+        return step()
+
+    llm.engine.step = counted_step
+    assert greedy_ids(llm, PROMPTS[:1]) == ref[:1]
+    active = [i for i, p in enumerate(passes) if p]
+    assert len(passes) > 2 * PROBE_FIRST and 0 < len(active) <= 2  # probes only (8, then 16 steps later)
+    for before, at in zip(active, active[1:]):  # one catch-up pass over every pair since, then the tree
+        assert passes[at][0] >= at - before and all(rows <= 2 for rows in passes[at][1:])
+
+
+def test_lookup_chains_alone_keep_greedy_output(tmp_path):
+    """With the head gated off for good, tree methods still draft the grafted prompt-lookup
+    chains (no head pass); the output is plain greedy's."""
+    prompts = [{"prompt_token_ids": [5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17]}, {"prompt_token_ids": [7, 7, 7, 7]}]
+    ref = greedy_ids(tiny_llm(tmp_path), prompts)
+    llm = tiny_llm(tmp_path, {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")),
+                              "adaptive": False, "lookup_branch": 5})
+    spec = llm.engine.spec
+    spec.policy.draft_pays = lambda *args: False
+    spec.proposer.propose = lambda batch: pytest.fail("a paused head drafted")
+    assert greedy_ids(llm, prompts) == ref
+    assert llm.engine.stats.spec_num_drafts > 0
 
 
 def test_tree_config_keys_reach_the_proposer(tmp_path):
-    from specserve.config import SpecConfig
+    from specserve.spec_decode.methods import _tree_proposer
     from specserve.spec_decode.quant import Int8Linear
-    from specserve.spec_decode.tree_decoder import MIN_DRAFT_PROB, make_tree_proposer
 
-    engine = tiny_llm(tmp_path).engine
-    write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
-    prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"),
-                                         num_speculative_tokens=6, depth=3, topk=5), engine)
+    runner = tiny_llm(tmp_path).engine.runner
+    head = str(write_eagle1(tmp_path / "head"))
+
+    def make(**keys):
+        extra = keys.pop("extra", {})
+        return _tree_proposer(SpecConfig(method="eagle", model=head, extra=extra, **keys), runner, "tiny", 256)
+
+    prop = make(num_speculative_tokens=6, depth=3, topk=5)
     assert (prop.m, prop.depth, prop.topk) == (6, 3, 5)
-    prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head")), engine)
+    prop = make()
     assert (prop.m, prop.depth, prop.topk) == (8, 4, 2)  # the defaults
     assert SpecConfig.parse('{"method": "eagle"}').num_speculative_tokens == 8
-    assert SpecConfig.parse('{"method": "ngram"}').num_speculative_tokens == 3
-    assert prop.min_score == math.log(MIN_DRAFT_PROB["cpu"])  # CPU: unlikely nodes are cut
-    assert isinstance(prop.head.fc, Int8Linear) and isinstance(prop._lm_head, Int8Linear)  # CPU: int8
-    prop = make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"), num_speculative_tokens=6,
-                                         extra={"min_draft_prob": 0, "quantization": "none"}), engine)
-    assert prop.min_score == -math.inf
-    assert type(prop.head.fc) is torch.nn.Linear
+    assert SpecConfig.parse("none").method is None and SpecConfig.parse("auto").method == "auto"
+    prop = make(extra={"quantization": "int8"})
+    assert isinstance(prop.head.fc, Int8Linear) and isinstance(prop._lm_head, Int8Linear)
+    assert type(make(extra={"quantization": "none"}).head.fc) is torch.nn.Linear
     with pytest.raises(ValueError, match="quantization"):
-        make_tree_proposer(SpecConfig(method="eagle", model=str(tmp_path / "head"),
-                                      extra={"quantization": "int4"}), engine)
+        make(extra={"quantization": "int4"})
 
 
 def test_medusa_tree_is_validated():
@@ -267,74 +316,38 @@ def test_medusa_tree_is_validated():
             tree_from_choices(bad, 2)
 
 
-def test_graft_merges_a_chain_into_a_tree():
-    from specserve.spec_decode.draft_tree import DraftTree
+def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
+    from specserve.spec_decode.draft_tree import path_of
 
-    tree = DraftTree([10, 11, 12, 13], [-1, -1, 0, 1])  # 10 -> 12, 11 -> 13
-    merged, path = tree.graft([10, 12, 7, 8], limit=10)  # shares 10 -> 12, then new nodes
+    tree = DraftTree([10, 11, 12, 13], [-1, -1, 0, 1], scores=[-0.1, -0.2, -0.3, -0.4])
+    merged, path = tree.graft([10, 12, 7, 8])  # shares 10 -> 12, then new nodes
     assert merged.tokens == [10, 11, 12, 13, 7, 8]
     assert merged.parents == [-1, -1, 0, 1, 2, 4]
-    assert path == [0, 2, 4, 5]  # the chain's nodes in the merged tree
-    cut, path = tree.graft([5, 6], limit=5)
-    assert cut.tokens == [10, 11, 12, 13, 5] and path == [4]  # the limit cuts the graft
-    assert tree.graft([5], limit=2)[0].tokens == [10, 11]  # ... and the tree itself, parents first
-    assert DraftTree([], []).graft([3, 4], limit=8)[0].is_chain
-
-
-def test_lookup_branch_keeps_greedy_output_with_the_head_paused(tmp_path):
-    """lookup_branch grafts prompt-lookup chains onto the trees; with the head paused by the
-    gate, the chains are drafted alone. Both ways the output is plain greedy's."""
-    from specserve.config import SpecConfig
-    from specserve.spec_decode.tree_decoder import TreeSpecDecoder
-
-    llm = tiny_llm(tmp_path)
-    engine = llm.engine
-    prompts = [{"prompt_token_ids": [5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17]}, {"prompt_token_ids": [7, 7, 7, 7]}]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
-    for paused in (False, True):
-        prop = EagleProposer(engine.runner.model, tmp_path / "head", 6, depth=3, topk=2)
-        config = SpecConfig(method="eagle", num_speculative_tokens=6, extra={"lookup_branch": 5})
-        spec = engine.spec = TreeSpecDecoder(config, engine, prop)
-        spec.gate.enabled = False
-        if paused:  # the gate never lets the head draft: only lookup chains are drafted
-            spec.gate.active = lambda req: False
-            prop.propose = lambda reqs, ks: pytest.fail("a paused head drafted")
-        sizes = []
-        propose = spec.propose
-
-        def spy(running):
-            propose(running)
-            sizes.extend(len(t.tree) for t in spec._tracks.values() if t.tree is not None)
-
-        spec.propose = spy
-        drafts_before = engine.stats.spec_num_drafts
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        assert got == ref
-        assert engine.stats.spec_num_drafts > drafts_before
-        if not paused:
-            assert max(sizes) > 6  # lookup nodes grafted beside the head's 6
-        assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
+    assert path == [0, 2, 4, 5] == path_of(merged.tokens, merged.parents, [10, 12, 7, 8])
+    assert merged.scores == [-0.1, -0.2, -0.3, -0.4, None, None]
+    sub = merged.select([0, 2, 4])
+    assert (sub.tokens, sub.parents, sub.scores) == ([10, 12, 7], [-1, 0, 1], [-0.1, -0.3, None])
+    assert DraftTree([], []).graft([3, 4])[0].is_chain
+    with pytest.raises(AssertionError, match="distinct"):
+        DraftTree([5, 5], [-1, -1])
 
 
 def test_head_kv_buffers_match_the_head_over_the_whole_sequence():
     """Drafting feeds the head a few pairs at a time through HeadKV (grown as it fills, read in
     place); the outputs equal one causal pass over the whole sequence."""
     torch.manual_seed(0)
-    head = EagleHead(ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
+    head = EagleHead(ModelArch.from_dict(HEAD))
     t, hidden = 150, TINY["hidden_size"]
     feats, embeds, pos = torch.randn(1, t, hidden), torch.randn(1, t, hidden), torch.arange(t)
     with torch.no_grad():
-        whole = head(feats, embeds, pos)[0]
+        whole = head(feats, embeds, pos)[0][0]
         buffers, outs, start = HeadKV(), [], 0
         for size in (5, 1, 60, 2, 82):  # grows past 64 and 128 entries
             end = start + size
-            mask = None if start == 0 else torch.ones(1, size, end, dtype=torch.bool).tril(start)
-            outs.append(head(feats[:, start:end], embeds[:, start:end], pos[start:end], mask=mask,
-                             kv=(buffers, start))[0])
+            outs.append(head(feats[0, start:end], embeds[0, start:end], pos[start:end],
+                             segments=[Segment(buffers, start, size, None)])[0])
             start = end
-    torch.testing.assert_close(torch.cat(outs, 1), whole)
+    torch.testing.assert_close(torch.cat(outs), whole)
 
 
 def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
@@ -348,107 +361,25 @@ def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
     runner = ModelRunner(None, arch, ModelConfig(load_format="dummy", seed=3, dtype="float32"),
                          CacheConfig(block_size=4, num_blocks=64), 256)
     kv = KVCacheManager(64, 4, enable_prefix_caching=False)
-    head = EagleHead(ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
+    head = EagleHead(ModelArch.from_dict(HEAD))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     save_eagle(head, None, tmp_path / "head", dtype=torch.float32)
     prop = EagleProposer(runner.model, tmp_path / "head", 3, depth=3, topk=1)
-    head = prop.head
-    req = make_requests([[5, 9, 17, 33, 2, 8, 8, 1, 4, 60, 12]])[0]
-    prefill_step(runner, kv, [req], prop)  # features f_0..f_{n-1}, tokens x_0..x_n
-    chain = prop.propose_one(req, 3)
+    req = Request("r", [5, 9, 17, 33, 2, 8, 8, 1, 4, 60, 12], SamplingParams(temperature=0), set(), 0)
+    prop.observe(["r"], [0], [prompt_features(runner, kv, req)])  # f_0..f_{n-1}
+    req.all_token_ids.append(int(runner.model.compute_logits(prop.cache["r"].feats[-1][None]).argmax()))
+    chain = prop.propose(propose_batch([req], 3))[0]
     assert chain.is_chain and len(chain) == 3
     seq = req.all_token_ids + chain.tokens
     n = req.num_tokens - 1
-    feats = torch.stack(prop.cache[req.request_id].feats)  # [n, hidden]
+    feats = torch.stack(prop.cache["r"].feats)  # [n, hidden]
     feats = torch.cat([feats, torch.zeros(3, feats.shape[1])])[None]  # positions >= n: unused
     embeds = runner.model.embed_tokens.weight[torch.tensor(seq[1:n + 4])][None]
     with torch.no_grad():
-        outs = unrolled(head, feats, embeds, 3)
+        outs = unrolled(prop.head, feats, embeds, 3)
     lm = runner.model.lm_head.weight
-    expect = [int((outs[j][0, n - 1 + j] @ lm.T).argmax()) for j in range(3)]
-    assert chain.tokens == expect
+    assert chain.tokens == [int((outs[j][0, n - 1 + j] @ lm.T).argmax()) for j in range(3)]
     kv.free(req)
-
-
-def test_min_draft_prob_cuts_unlikely_nodes_and_keeps_greedy_output(tmp_path, monkeypatch):
-    import specserve.spec_decode.eagle as eagle_mod
-
-    arch, runner, kv = tiny_runner(tmp_path)
-    write_eagle1(tmp_path / "eagle", arch)
-    prompts = [[5, 9, 17, 33, 2], [7, 7, 1, 80, 44, 3, 12]]
-    rerank, seen = eagle_mod._rerank, []  # every node (token, parent, score) the proposer ranks
-
-    def spy(tokens, parents, scores, *rest):
-        seen.append((list(tokens), list(parents), list(scores)))
-        return rerank(tokens, parents, scores, *rest)
-
-    monkeypatch.setattr(eagle_mod, "_rerank", spy)
-
-    def trees(min_prob):
-        prop = EagleProposer(runner.model, tmp_path / "eagle", num_speculative_tokens=8, depth=3, topk=3,
-                             min_prob=min_prob)
-        reqs = make_requests(prompts)
-        prefill_step(runner, kv, reqs, prop)
-        seen.clear()
-        out = prop.propose(reqs, [8, 8])
-        for r in reqs:
-            kv.free(r)
-        return out
-
-    full = trees(0.0)
-    nodes = list(seen)
-    cut = sorted(nodes[0][2], reverse=True)[4]  # the first request keeps its 5 likeliest nodes
-    pruned = trees(math.exp(cut))
-    # the same as ranking the full expansion with the cut: skipping unlikely nodes' expansion
-    # loses nothing that could have passed, and fewer nodes are verified
-    for got, (t, p, s) in zip(pruned, nodes):
-        want = rerank(t, p, s, 8, cut)
-        assert (got.tokens, got.parents) == (want.tokens, want.parents) if len(want) else got is None
-    assert sum(len(t or []) for t in pruned) < sum(len(t) for t in full)
-    assert trees(0.999) == [None, None]  # a random head is never that sure: no trees at all
-    prop = EagleProposer(runner.model, tmp_path / "eagle", num_speculative_tokens=8, depth=3, topk=3,
-                         min_prob=math.exp(cut))
-    ref, _ = decode(runner, kv, NoDrafts(), prompts, 16)
-    got, _ = decode(runner, kv, prop, prompts, 16)
-    assert got == ref and kv.num_free_blocks == kv.num_total_blocks
-
-
-def test_lookup_branch_length_follows_its_acceptance(tmp_path):
-    from specserve.config import SpecConfig
-    from specserve.spec_decode.draft_tree import DraftTree, path_of
-    from specserve.spec_decode.tree_decoder import TreeSpecDecoder
-
-    tree, chain_nodes = DraftTree([4, 5, 6, 7], [-1, 0, -1, 2]).graft([6, 7, 8, 9], 6)
-    assert chain_nodes == path_of(tree.tokens, tree.parents, [6, 7, 8, 9]) == [2, 3, 4, 5]
-    assert path_of(tree.tokens, tree.parents, [4, 9]) == [0] and path_of(tree.tokens, tree.parents, [1]) == []
-    engine = tiny_llm(tmp_path).engine
-    write_eagle1(tmp_path / "head", ModelArch.from_dict({**TINY, "num_hidden_layers": 1}))
-    prop = EagleProposer(engine.runner.model, tmp_path / "head", 6, depth=3, topk=2)
-
-    def spec_with(adaptive):
-        config = SpecConfig(method="eagle", num_speculative_tokens=6, extra={"lookup_branch": 4, "adaptive": adaptive})
-        return TreeSpecDecoder(config, engine, prop)
-
-    spec, lengths = spec_with(True), []
-    for chain, k, path in [([2, 3, 4, 5], 6, [2, 3, 4, 5]),  # whole chain accepted: 4 -> 8
-                           ([0, 1, 2, 3, 4, 5, 6, 7], 8, list(range(8))),  # again: 8 -> 16
-                           (list(range(16)), 20, list(range(16))),  # capped at 4 L = 16
-                           ([1, 2], 4, [0]),  # first chain token rejected: halve
-                           ([1, 2], 4, [1, 2]),  # cut short, all accepted but shorter: keep
-                           ([1], 4, []), ([1], 4, []), ([1], 4, [])]:  # down to L / 2 = 2
-        track = spec._track("r")
-        track.chain_nodes = chain
-        spec._adapt_branch(track, k, path)
-        lengths.append(track.branch)
-    assert lengths == [8, 16, 16, 8, 8, 4, 2, 2]
-    track.chain_nodes = [0, 1, 2, 3]
-    spec._adapt_branch(track, 2, [0, 1])  # the scheduler kept 2 of its nodes, both accepted: 2 -> 4
-    assert track.branch == 4 and track.chain_nodes == []
-    fixed_spec = spec_with(False)
-    fixed = fixed_spec._track("r")
-    fixed.chain_nodes = [0, 1, 2, 3]
-    fixed_spec._adapt_branch(fixed, 6, [0, 1, 2, 3])
-    assert fixed.branch == 4  # "adaptive": false keeps lookup_branch

@@ -32,7 +32,7 @@ def hf_model(default_model_dir):
 @pytest.fixture(scope="module")
 def llm(make_llm):
     """float32, the precision these comparisons are about (auto may pick bfloat16)."""
-    return make_llm(max_model_len=2048, dtype="float32")
+    return make_llm(max_model_len=2048, dtype="float32", speculative_config=None)
 
 
 def _our_logits(llm, ids: list[int], chunks: list[int]) -> torch.Tensor:

@@ -7,7 +7,7 @@ from torch import nn
 from specserve.model.arch import ModelArch
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.spec_decode.medusa import MedusaHeads
-from specserve.spec_decode.quant import Int8Linear, check_quantization, quantize_linears, quantize_rows
+from specserve.spec_decode.quant import Int8Linear, check_quantization, int8_pays, quantize_linears, quantize_rows
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -53,10 +53,12 @@ def test_quantize_linears_replaces_every_linear_of_a_head():
 
 
 def test_quantization_option_is_checked():
-    cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert check_quantization(None, cpu) and not check_quantization(None, gpu)
-    assert check_quantization("int8", cpu) and not check_quantization("none", cpu)
-    with pytest.raises(ValueError, match="expected one of int8, none"):
-        check_quantization("fp8", cpu)
+    cpu, gpu, shape = torch.device("cpu"), torch.device("cuda"), (64, 128, torch.float32)
+    # auto: measured on a CPU (whichever way it goes here), never on a GPU
+    assert check_quantization(None, cpu, *shape) == int8_pays(*shape) == check_quantization("auto", cpu, *shape)
+    assert not check_quantization(None, gpu, *shape)
+    assert check_quantization("int8", cpu, *shape) and not check_quantization("none", cpu, *shape)
+    with pytest.raises(ValueError, match="expected one of auto, int8, none"):
+        check_quantization("fp8", cpu, *shape)
     with pytest.raises(ValueError, match="CPU only"):
-        check_quantization("int8", gpu)
+        check_quantization("int8", gpu, *shape)

@@ -63,7 +63,7 @@ def tiny_pair(tmp_path_factory, default_model_dir):
 
 def test_rollback_after_rejections(make_llm, tiny_pair):
     target, draft = tiny_pair
-    plain = make_llm(str(target), num_blocks=64, block_size=4)
+    plain = make_llm(str(target), num_blocks=64, block_size=4, speculative_config=None)
     spec = make_llm(str(target), num_blocks=64, block_size=4, speculative_config={
         "method": "draft_model", "model": str(draft), "num_speculative_tokens": 4,
         "adaptive": False})

@@ -1,6 +1,7 @@
 """Sampled speculation is lossless: the tokens of a speculative engine follow the target's
-distribution exactly (chi-square on a 16-token vocabulary), and the test has the power to
-catch a broken rule (always accept)."""
+distribution exactly (chi-square on a 16-token vocabulary), for seeded requests (verified
+against plain sampling's own draws) and unseeded ones (the rejection rule), and the test has
+the power to catch a broken rule (always accept)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specserve.kernels
+import specserve.sampling.rejection as rejection
 from specserve import SamplingParams
 from tests.conftest import write_tiny_model
 
@@ -44,8 +45,8 @@ def exact_third_token(target_dir) -> np.ndarray:
     return joint.sum((0, 1)).numpy()
 
 
-def third_tokens(llm) -> np.ndarray:
-    params = [SamplingParams(temperature=TEMPERATURE, max_tokens=3, ignore_eos=True, seed=s)
+def third_tokens(llm, seeded: bool = True) -> np.ndarray:
+    params = [SamplingParams(temperature=TEMPERATURE, max_tokens=3, ignore_eos=True, seed=s if seeded else None)
               for s in range(NUM_SAMPLES)]
     outs = llm.generate([PROMPT] * NUM_SAMPLES, params)
     return np.bincount([o.outputs[0].token_ids[2] for o in outs], minlength=VOCAB)
@@ -75,24 +76,22 @@ def _pvalue(counts, probs) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def test_speculative_sampling_matches_target(spec_llm, target_probs):
-    probs = target_probs
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_speculative_sampling_matches_target(spec_llm, target_probs, seeded):
     stats = spec_llm.engine.stats
-    counts = third_tokens(spec_llm)
+    drafted, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+    counts = third_tokens(spec_llm, seeded)
     # drafts were really verified, with rejections, and the draft differs from the target
-    assert stats.spec_num_draft_tokens >= NUM_SAMPLES
-    assert 0.1 < stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens < 0.9
-    assert _pvalue(counts, probs) > 1e-3
+    drafted, accepted = stats.spec_num_draft_tokens - drafted, stats.spec_num_accepted_tokens - accepted
+    assert drafted >= NUM_SAMPLES
+    assert 0.1 < accepted / drafted < 0.9
+    assert _pvalue(counts, target_probs) > 1e-3
 
 
-def test_broken_rule_is_detected(spec_llm, target_probs, monkeypatch):
+def test_broken_rules_are_detected(spec_llm, target_probs, monkeypatch):
     """Accepting every draft samples from the draft's distribution: the test must notice."""
-    real = specserve.kernels.rejection_sample
-
-    def always_accept(drafts, num_draft, draft_probs, target, greedy, uniforms, noise):
-        return real(drafts, num_draft, draft_probs, target, greedy, torch.zeros_like(uniforms) - 1,
-                    noise)
-
-    monkeypatch.setattr(specserve.kernels, "rejection_sample", always_accept)
-    probs = target_probs
-    assert _pvalue(third_tokens(spec_llm), probs) < 1e-6
+    with monkeypatch.context() as m:
+        m.setattr(rejection, "uniform_at", lambda s, p, c: torch.zeros(s.shape))
+        assert _pvalue(third_tokens(spec_llm, seeded=False), target_probs) < 1e-6
+    monkeypatch.setattr(rejection, "coupled_tokens", lambda probs, s, p: probs.argmax(-1))
+    assert _pvalue(third_tokens(spec_llm), target_probs) < 1e-6

@@ -1,6 +1,6 @@
-"""Tree verification (specserve.spec_decode.tree): greedy against a brute force, sampled against the
-target distribution (chi-square on a small vocabulary, with a broken rule as negative
-control), and the KV compaction slots."""
+"""Batched tree verification (specserve.sampling.rejection): greedy against a brute force over
+many requests in one call, sampled against the target distribution (chi-square on a small
+vocabulary, one-hot trees and draft-model chains, with a broken rule as negative control)."""
 
 import random
 
@@ -8,15 +8,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.kernels import compact_kv
+import specserve.sampling.rejection as rejection
+from specserve.sampling import FlatTrees, verify_trees
 from specserve.spec_decode.draft_tree import DraftTree
-from specserve.spec_decode.tree import compaction_slots, verify_tree
 
 V = 8
 
 
 def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
-    """Random shape; sibling tokens distinct (so the greedy path is unique)."""
+    """Random shape; sibling tokens distinct."""
     parents, tokens, used = [], [], {}
     for i in range(n):
         for _ in range(20):
@@ -33,9 +33,9 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
     return DraftTree(tokens, parents)
 
 
-def brute_force_greedy(logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], list[int]]:
+def brute_force_greedy(logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], int]:
     best = logits.argmax(-1).tolist()
-    found = []  # (depth, path) of every node whose whole path matches the target argmax
+    found = []  # every node whose whole path matches the target argmax
     for i in range(len(tree)):
         path, j = [], i
         while j >= 0:
@@ -46,24 +46,44 @@ def brute_force_greedy(logits: torch.Tensor, tree: DraftTree) -> tuple[list[int]
         if all(tree.tokens[c] == best[r] for c, r in zip(path, rows)):
             found.append(path)
     path = max(found, key=len) if found else []
-    end = path[-1] + 1 if path else 0
-    return path, [tree.tokens[c] for c in path] + [best[end]]
+    return path, best[path[-1] + 1 if path else 0]
 
 
-def test_greedy_matches_brute_force():
+def verify(target, trees, greedy, seeds, coupled=False):
+    """Lay the requests' rows out one after another, as the runner does, and verify them all
+    (coupled: sampled requests are seeded ones, verified against plain sampling's draws)."""
+    roots, at = [], 0
+    for t in trees:
+        roots.append(at)
+        at += 1 + len(t)
+    assert target.shape[0] == at
+    flat = FlatTrees.build(roots, [(t.tokens, t.parents, t.probs) for t in trees], target.shape[1], "cpu")
+    depth = [d for t in trees for d in [0] + t.depth]
+    pos = torch.tensor(depth) + 100
+    exact = [g or coupled for g in greedy]
+    rows = [r for b, t in enumerate(trees) for r in range(roots[b], roots[b] + 1 + len(t)) if not greedy[b]]
+    row_seeds = [seeds[b] for b, t in enumerate(trees) for _ in range(1 + len(t)) if not greedy[b]]
+    pairs = (torch.tensor(rows), torch.tensor(row_seeds)) if coupled and rows else None
+    return verify_trees(target, torch.tensor(exact), torch.tensor(seeds), pos, flat, all(exact), pairs)
+
+
+def test_greedy_matches_brute_force_for_a_whole_batch():
     rng = random.Random(0)
-    for trial in range(300):
+    trees, logits = [], []
+    for trial in range(200):
         tree = random_tree(rng, rng.randrange(0, 14), 4)
-        logits = torch.randn(len(tree) + 1, 4, generator=torch.Generator().manual_seed(trial))
-        # plant a matching path now and then so deep acceptances are exercised
-        if trial % 2 and len(tree):
+        x = torch.randn(len(tree) + 1, 4, generator=torch.Generator().manual_seed(trial))
+        if trial % 2 and len(tree):  # plant a matching path now and then: deep acceptances
             node = rng.randrange(len(tree))
             while node >= 0:
                 parent = tree.parents[node]
-                logits[parent + 1, tree.tokens[node]] += 10.0
+                x[parent + 1, tree.tokens[node]] += 10.0
                 node = parent
-        verdict = verify_tree(logits, tree, greedy=True)
-        assert (verdict.path, verdict.tokens) == brute_force_greedy(logits, tree)
+        trees.append(tree)
+        logits.append(x)
+    verdict = verify(torch.cat(logits), trees, [True] * len(trees), list(range(len(trees))))
+    for tree, x, path, final in zip(trees, logits, verdict.accepted, verdict.final):
+        assert (path, final) == brute_force_greedy(x, tree)
 
 
 def _dist(prefix: tuple, salt: int) -> torch.Tensor:
@@ -71,75 +91,106 @@ def _dist(prefix: tuple, salt: int) -> torch.Tensor:
     return torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
 
 
-def _two_token_counts(rule: str, trials: int, iid: bool) -> torch.Tensor:
-    """Counts of the first two emitted tokens when a width-3/2 tree is verified each trial
-    (a step that emits one token is completed by plain sampling, as the next step would)."""
-    gen = torch.Generator().manual_seed(1234)
-    counts = torch.zeros(V, V)
-    for _ in range(trials):
-        q_root = _dist((), 1)
-        if iid:  # SpecInfer: siblings are independent draws from the parent's q
-            kids = torch.multinomial(q_root, 3, replacement=True, generator=gen).tolist()
-        else:  # fixed top-k candidates, one-hot q
-            kids = q_root.topk(3).indices.tolist()
-        tokens, parents, probs = list(kids), [-1, -1, -1], [q_root] * 3
+def _case(kind: str):
+    """One request's draft and its target rows; the first two emitted tokens are compared with
+    the target's two-token distribution. kind: a width-3/2 tree of one-hot top-k candidates, a
+    chain drawn from q (a draft model), or no drafts at all (plain sampling)."""
+    if kind == "tree":
+        kids = _dist((), 1).topk(3).indices.tolist()
+        tokens, parents = list(kids), [-1, -1, -1]
         for i, x in enumerate(kids):
-            q = _dist((x,), 1)
-            gk = (torch.multinomial(q, 2, replacement=True, generator=gen).tolist() if iid
-                  else q.topk(2).indices.tolist())
-            tokens += gk
+            tokens += _dist((x,), 1).topk(2).indices.tolist()
             parents += [i, i]
-            probs += [q, q]
-        tree = DraftTree(tokens, parents, torch.stack(probs) if iid else None)
-        prefixes = [()] + [(tokens[i],) if parents[i] < 0 else (tokens[parents[i]], tokens[i])
-                           for i in range(len(tokens))]
-        target = torch.stack([_dist(p, 2) for p in prefixes])
-        out = verify_tree(target, tree, greedy=False, generator=gen, rule=rule).tokens
-        if len(out) < 2:
+        tree = DraftTree(tokens, parents)
+    elif kind == "none":
+        tree = DraftTree([], [])
+    else:
+        tree = None
+    if tree is not None:
+        prefixes = [()] + [(tree.tokens[i],) if p < 0 else (tree.tokens[p], tree.tokens[i])
+                           for i, p in enumerate(tree.parents)]
+        return tree, torch.stack([_dist(p, 2) for p in prefixes])
+    return None, None
+
+
+def _two_token_counts(kind: str, trials: int, coupled: bool = False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1234)
+    trees, targets = [], []
+    for _ in range(trials):
+        tree, target = _case(kind)
+        if kind == "chain":  # two drafts sampled from the draft's own distributions
+            q1 = _dist((), 1)
+            x1 = int(torch.multinomial(q1, 1, generator=gen))
+            q2 = _dist((x1,), 1)
+            x2 = int(torch.multinomial(q2, 1, generator=gen))
+            tree = DraftTree.chain([x1, x2], torch.stack([q1, q2]))
+            target = torch.stack([_dist((), 2), _dist((x1,), 2), _dist((x1, x2), 2)])
+        trees.append(tree)
+        targets.append(target)
+    verdict = verify(torch.cat(targets), trees, [False] * trials, list(range(trials)), coupled)
+    counts = torch.zeros(V, V)
+    for tree, path, final in zip(trees, verdict.accepted, verdict.final):
+        out = [tree.tokens[n] for n in path] + [final]
+        if len(out) < 2:  # a step that emits one token is completed by plain sampling
             out.append(int(torch.multinomial(_dist((out[0],), 2), 1, generator=gen)))
         counts[out[0], out[1]] += 1
     return counts
 
 
-def _expected(trials: int) -> torch.Tensor:
+def _pvalue(counts: torch.Tensor, trials: int) -> float:
     p1 = _dist((), 2)
-    return torch.stack([p1[a] * _dist((a,), 2) for a in range(V)]) * trials
-
-
-@pytest.mark.parametrize("iid", [True, False])
-def test_tree_sampling_reproduces_target(iid):
-    trials = 6000
-    counts = _two_token_counts("exact", trials, iid)
-    exp = _expected(trials)
+    exp = torch.stack([p1[a] * _dist((a,), 2) for a in range(V)]) * trials
     keep = exp > 5  # chi-square needs enough expected counts per cell
     obs, e = counts[keep], exp[keep]
-    e = e * obs.sum() / e.sum()
-    assert chisquare(obs.numpy(), e.numpy()).pvalue > 1e-3
+    return chisquare(obs.numpy(), (e * obs.sum() / e.sum()).numpy()).pvalue
 
 
-def test_broken_rule_fails_the_same_test():
+@pytest.mark.parametrize("coupled", [False, True], ids=["unseeded", "seeded"])
+@pytest.mark.parametrize("kind", ["tree", "chain", "none"])
+def test_sampling_reproduces_the_target(kind, coupled):
     trials = 6000
-    counts = _two_token_counts("naive_resample", trials, True)
-    exp = _expected(trials)
-    keep = exp > 5
-    obs, e = counts[keep], exp[keep]
-    e = e * obs.sum() / e.sum()
-    assert chisquare(obs.numpy(), e.numpy()).pvalue < 1e-6
+    assert _pvalue(_two_token_counts(kind, trials, coupled), trials) > 1e-3
 
 
-def test_compaction_moves_the_accepted_path():
-    # tree of 6 drafts at root position 13 over blocks [5, 2, 7] of 8 slots: path nodes 1 -> 3 -> 5
-    block_ids, bs, start, path = [5, 2, 7], 8, 13, [1, 3, 5]
-    src, dst = compaction_slots(block_ids, bs, start, path)
+def test_seeded_requests_emit_plain_samplings_tokens_whatever_was_drafted():
+    """A coupled request's token at each row is plain sampling's draw there: different trees
+    (or none) never change the first token, and an accepted path follows the draws."""
+    from specserve.sampling.rejection import coupled_tokens
 
-    def slot(pos):
-        return block_ids[pos // bs] * bs + pos % bs
+    rng = random.Random(5)
+    target = torch.softmax(torch.randn(1, V) * 2, -1)
+    draw = int(coupled_tokens(target, torch.tensor([42]), torch.tensor([100]))[0])
+    for n in range(0, 12, 3):
+        tree = random_tree(rng, n, V)
+        rows = torch.cat([target, torch.softmax(torch.randn(n, V), -1)])
+        verdict = verify(rows, [tree], [False], [42], coupled=True)
+        first = tree.tokens[verdict.accepted[0][0]] if verdict.accepted[0] else verdict.final[0]
+        assert first == draw
 
-    assert src.tolist() == [slot(start + 2), slot(start + 4), slot(start + 6)]
-    assert dst.tolist() == [slot(start + 1), slot(start + 2), slot(start + 3)]
-    cache = torch.arange(8 * bs, dtype=torch.float32).view(8, bs, 1, 1).repeat(1, 1, 1, 2)
-    v = cache.clone()
-    compact_kv(cache, v, src, dst)
-    flat = cache.view(-1, 2)[:, 0]
-    assert [int(flat[slot(start + j)]) for j in range(4)] == [slot(start), *src.tolist()]
-    assert compaction_slots(block_ids, bs, start, [0, 1])[0].numel() == 0  # chain: nothing moves
+
+def test_broken_rules_fail_the_same_test(monkeypatch):
+    """Accepting every draft emits the draft's distribution: the test must notice, for both
+    rules (a coupled rule that ignores the noise is a greedy one)."""
+    with monkeypatch.context() as m:
+        m.setattr(rejection, "uniform_at", lambda s, p, c: torch.zeros(s.shape))
+        assert _pvalue(_two_token_counts("chain", 6000), 6000) < 1e-6
+    monkeypatch.setattr(rejection, "coupled_tokens", lambda probs, s, p: probs.argmax(-1))
+    assert _pvalue(_two_token_counts("tree", 6000, coupled=True), 6000) < 1e-6
+
+
+def test_mixed_batch_and_seeded_reproducibility():
+    """Greedy and sampled requests, with and without drafts, in one call; a sampled request's
+    result depends on its seed and positions only, not on the batch around it."""
+    rng = random.Random(3)
+    trees = [random_tree(rng, n, V) for n in (0, 5, 3, 0, 7)]
+    target = torch.softmax(torch.randn(sum(len(t) + 1 for t in trees), V), -1)
+    greedy = [True, False, True, False, False]
+    verdict = verify(target, trees, greedy, [11, 12, 13, 14, 15])
+    at = 0
+    for b, tree in enumerate(trees):
+        rows = target[at:at + len(tree) + 1]
+        alone = verify(rows, [tree], [greedy[b]], [11 + b])
+        assert (alone.accepted[0], alone.final[0]) == (verdict.accepted[b], verdict.final[b])
+        if greedy[b]:
+            assert (verdict.accepted[b], verdict.final[b]) == brute_force_greedy(rows, tree)
+        at += len(tree) + 1

@@ -1,4 +1,4 @@
-"""Attention, KV-cache and rejection-sampling kernels with backend dispatch.
+"""Attention and KV-cache kernels with backend dispatch.
 
 Every op has a Triton implementation (``*_triton``) and a plain PyTorch
 reference with the same signature (``*_ref``).  The unsuffixed names dispatch
@@ -18,7 +18,6 @@ import torch
 
 from .kv_write import compact_kv_ref, compact_kv_triton, write_kv_ref, write_kv_triton
 from .paged_attention import HAS_TRITON, paged_attention_ref, paged_attention_triton
-from .rejection import rejection_sample_ref, rejection_sample_triton
 from .tree_attention import (
     causal_tree_mask,
     dense_mask_attention_ref,
@@ -36,7 +35,6 @@ __all__ = [
     "tree_mask_from_parents", "causal_tree_mask", "pack_tree_mask", "unpack_tree_mask",
     "write_kv", "write_kv_ref", "write_kv_triton",
     "compact_kv", "compact_kv_ref", "compact_kv_triton",
-    "rejection_sample", "rejection_sample_ref", "rejection_sample_triton",
 ]
 
 
@@ -74,8 +72,3 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 def compact_kv(k_cache, v_cache, src_slots, dst_slots) -> None:
     fn = compact_kv_triton if use_triton(k_cache.device) else compact_kv_ref
     fn(k_cache, v_cache, src_slots, dst_slots)
-
-
-def rejection_sample(draft_token_ids, num_draft, draft_probs, target_probs, is_greedy, uniforms, exp_noise):
-    fn = rejection_sample_triton if use_triton(target_probs.device) else rejection_sample_ref
-    return fn(draft_token_ids, num_draft, draft_probs, target_probs, is_greedy, uniforms, exp_noise)

@@ -52,6 +52,11 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one block of tokens."""
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+
+
 @dataclass
 class StepLogits:
     logits: torch.Tensor  # [R, V] float32 rows to sample or verify
@@ -80,6 +85,9 @@ class ModelRunner:
         self.model.rotary.float()
         self.model.finalize_weights()
         self.backend = get_attention_backend(self.device, self.dtype)
+        # callables (sched, hidden [T, hidden]) shown every step's final hidden states, before
+        # anything else reads them (training data capture: spec_decode.training.data)
+        self.hidden_hooks: list = []
         self.num_blocks = cache_config.num_blocks or self._blocks_for(cache_config.kv_cache_memory_gb)
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -90,9 +98,7 @@ class ModelRunner:
                     type(self.backend).__name__, self.num_blocks, self.block_size)
 
     def _blocks_for(self, gigabytes: float) -> int:
-        a = self.arch
-        per_block = 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
-        return max(16, int(gigabytes * (1 << 30)) // per_block)
+        return max(16, int(gigabytes * (1 << 30)) // kv_bytes_per_block(self.arch, self.block_size, self.dtype))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -101,12 +107,13 @@ class ModelRunner:
         positions: list[int] = []
         seq_lens, row_start, num_rows, row_index = [], [], [], []
         for req, n, k in zip(sched.requests, sched.num_tokens, sched.num_drafts):
-            start = req.num_computed_tokens
-            known = req.all_token_ids + req.spec_token_ids[:k]
-            ids += known[start:start + n]
+            start, committed = req.num_computed_tokens, req.num_tokens
+            ids += req.all_token_ids[start:min(start + n, committed)]  # slices, not a copy of all
+            if start + n > committed:
+                ids += req.spec_token_ids[:start + n - committed]
             positions += range(start, start + n)
             seq_lens.append(start + n)
-            if start + n == len(known):  # caught up: sample (or verify k drafts + bonus)
+            if start + n == committed + k:  # caught up: sample (or verify k drafts + bonus)
                 row_start.append(len(row_index))
                 num_rows.append(k + 1)
                 row_index += range(len(ids) - k - 1, len(ids))
@@ -121,6 +128,8 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         every = self.model(input_ids, pos, self.kv_caches, meta, self.backend)
+        for hook in self.hidden_hooks:
+            hook(sched, every)
         hidden = every.index_select(0, torch.tensor(row_index, dtype=torch.int64, device=self.device))
         return StepLogits(self.model.compute_logits(hidden), hidden, row_start, num_rows, every)
 

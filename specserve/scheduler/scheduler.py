@@ -117,7 +117,6 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.spec_token_ids = []
-        req.spec_draft_probs = None
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         out.preempted.append(req)

@@ -37,9 +37,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
-    g.add_argument("--speculative-config", default=None,
-                   help='JSON as in vLLM, e.g. '
-                        '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    g.add_argument("--speculative-config", default="auto",
+                   help='JSON as in vLLM, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
+                        'default "auto": EAGLE with the shipped head on the default model, prompt '
+                        'lookup on others, verified only where the measured cost model says it '
+                        'pays; "none" turns speculation off')
 
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")

@@ -227,18 +227,18 @@ async def choice_deltas(stream: Any, index_of: dict[str, int], want_logprobs: bo
                         ) -> AsyncIterator[tuple[int, RequestOutput, str, list]]:
     """(choice index, output, new text, new logprobs) each time a choice moves or finishes.
 
-    The engine's cumulative text only grows, so the delta is the suffix not sent yet.
+    The engine's cumulative text only grows, so the delta is the suffix not sent yet; its
+    logprobs are already those of the new tokens only.
     """
-    sent_chars, sent_lps = [0] * len(index_of), [0] * len(index_of)
+    sent_chars = [0] * len(index_of)
     async for out in stream:
         i = index_of[out.request_id]
         c = out.outputs[0]
         delta = c.text[sent_chars[i]:]
-        new_lps = (c.logprobs or [])[sent_lps[i]:] if want_logprobs else []
+        new_lps = (c.logprobs or []) if want_logprobs else []
         if not delta and not new_lps and not out.finished:
             continue
         sent_chars[i] = len(c.text)
-        sent_lps[i] += len(new_lps)
         yield i, out, delta, new_lps
 
 
@@ -264,12 +264,18 @@ async def sse_with_epilogue(events: AsyncIterator[str], stream: Any, what: str,
 
 
 async def collect_finals(stream: Any, index_of: dict[str, int]) -> list[tuple[int, RequestOutput]]:
-    """Drain a non-streaming call's engine stream: (choice index, final output), in order."""
+    """Drain a non-streaming call's engine stream: (choice index, final output with every
+    logprob), in order."""
     finals: dict[int, RequestOutput] = {}
+    logprobs: dict[int, list] = {}
     try:
         async for out in stream:
+            i, c = index_of[out.request_id], out.outputs[0]
+            if c.logprobs is not None:
+                logprobs.setdefault(i, []).extend(c.logprobs)
+                c.logprobs = logprobs[i]
             if out.finished:
-                finals[index_of[out.request_id]] = out
+                finals[i] = out
     finally:
         await stream.aclose()
     return sorted(finals.items())

@@ -1,14 +1,16 @@
-"""DraftTree, the one record every proposer returns, and the Proposer protocol.
+"""DraftTree, the one record every proposer returns, and the Proposer protocol with its inputs.
 
-A draft is a tree of candidate tokens that hangs off a request's last committed token. Nodes
-are listed parents first; `parents[i]` is the index of node i's parent, or -1 for a node that
-directly follows the committed tokens. A chain (n-gram, draft model) is the tree whose node i
-has parent i - 1. Tree methods (EAGLE, Medusa) will return wider trees through the same
-record; the verifier in specserve.spec_decode.step accepts chains only for now.
+A draft is a tree of candidate tokens that hangs off a request's last committed token (the
+root). Nodes are listed parents first; `parents[i]` is the index of node i's parent, or -1 for
+a child of the root. A chain (n-gram, draft model) is the tree whose node i has parent i - 1.
+Sibling tokens are distinct (verification tries each token once).
 
-`probs` holds the distribution each node was drawn from (the draft's processed distribution,
-q in the Leviathan/Chen rule) when the method has one; None means every node is one-hot (an
-n-gram lookup, or a greedy draft model), which is what the rejection sampler assumes then.
+`probs` is the distribution each node was drawn from (q in the rejection rule) when the
+method samples its drafts (a draft model on a sampled request); such a tree is a chain. None
+means every node is one-hot (prompt lookup, top-k candidates of a head), which keeps
+verification exact for sampled requests too. `scores` are the proposer's own confidence in
+each node: the log-probability, under the draft, of the whole path from the root to the node
+(None for methods without one: the cost model then uses measured acceptance by depth).
 """
 
 from __future__ import annotations
@@ -19,44 +21,57 @@ from typing import Protocol
 
 import torch
 
-from specserve.request import Request
+from specserve.request import SamplingParams
 
 
 @dataclass
 class DraftTree:
     tokens: list[int]  # [n] draft token ids, parents before children
-    parents: list[int]  # [n] parent node index, -1 for children of the last committed token
-    probs: torch.Tensor | None = None  # [n, V] float draft distribution per node, None = one-hot
+    parents: list[int]  # [n] parent node index, -1 for children of the root
+    probs: torch.Tensor | None = None  # [n, V] draft distribution per node (chains only), None = one-hot
+    scores: list[float | None] | None = None  # [n] log P_draft(path to the node), None = no score
 
     def __post_init__(self) -> None:
         assert len(self.tokens) == len(self.parents)
         assert all(-1 <= p < i for i, p in enumerate(self.parents)), "parents precede children"
-        assert self.probs is None or self.probs.shape[0] == len(self.tokens)
+        assert len({(p, t) for p, t in zip(self.parents, self.tokens)}) == len(self.tokens), \
+            "sibling tokens are distinct"
+        assert self.probs is None or (self.probs.shape[0] == len(self.tokens) and self.is_chain)
+        assert self.scores is None or len(self.scores) == len(self.tokens)
 
     @staticmethod
-    def chain(tokens: Sequence[int], probs: torch.Tensor | None = None) -> "DraftTree":
-        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), probs)
+    def chain(tokens: Sequence[int], probs: torch.Tensor | None = None,
+              scores: list[float] | None = None) -> "DraftTree":
+        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), probs, scores)
 
-    def graft(self, chain: Sequence[int], limit: int) -> tuple["DraftTree", list[int]]:
+    def graft(self, chain: Sequence[int]) -> tuple["DraftTree", list[int]]:
         """This tree with `chain` (tokens that would follow the committed ones) merged in as a
-        path from the root: it follows existing nodes while they match and appends the rest
-        after every existing node, so parents still precede children. At most `limit` nodes
-        in all (the tree's own nodes first). Returns the tree and the chain's node indices in
-        it (a prefix of the chain where the limit cut it). One-hot only: needs probs None."""
+        path from the root: it follows existing nodes while they match and appends the rest.
+        Returns the tree and the chain's node indices in it. One-hot trees only."""
         assert self.probs is None, "graft: trees with draft probabilities cannot take foreign nodes"
-        tokens, parents = list(self.tokens[:limit]), list(self.parents[:limit])
+        tokens, parents = list(self.tokens), list(self.parents)
+        scores = list(self.scores) if self.scores is not None else [None] * len(tokens)
         path = path_of(tokens, parents, chain)  # the chain's prefix already in the tree
         at = path[-1] if path else -1
-        for tok in list(chain)[len(path):len(path) + limit - len(tokens)]:
+        for tok in list(chain)[len(path):]:
             tokens.append(tok)
             parents.append(at)
+            scores.append(None)
             at = len(tokens) - 1
             path.append(at)
-        return DraftTree(tokens, parents), path
+        return DraftTree(tokens, parents, None, scores), path
+
+    def select(self, keep: Sequence[int]) -> "DraftTree":
+        """The nodes `keep` (each one's parent kept before it), in that order, re-indexed."""
+        index = {old: new for new, old in enumerate(keep)}
+        parents = [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep]
+        probs = self.probs[list(keep)] if self.probs is not None else None
+        scores = [self.scores[i] for i in keep] if self.scores is not None else None
+        return DraftTree([self.tokens[i] for i in keep], parents, probs, scores)
 
     @property
     def depth(self) -> list[int]:
-        """Depth of each node: 1 for a child of the committed tokens."""
+        """Depth of each node: 1 for a child of the root."""
         d: list[int] = []
         for p in self.parents:
             d.append(1 if p < 0 else d[p] + 1)
@@ -70,23 +85,6 @@ class DraftTree:
         return len(self.tokens)
 
 
-class Proposer(Protocol):
-    """Drafts the next tokens of running requests; called once per engine step.
-
-    `propose` gets the requests that may speculate this step (each has one pending
-    committed token: the KV of every earlier token is computed) and for each the largest
-    number of draft tokens it may return. It returns one DraftTree per request, or None for
-    no draft. A proposer may keep per-request state (an index, a KV cache) but must treat
-    all of it as a cache: committed tokens (`req.all_token_ids`) are the only truth, and
-    drafts from earlier steps may have been rejected, or the request preempted, since.
-    """
-
-    name: str
-
-    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[DraftTree | None]:
-        ...
-
-
 def path_of(tokens: Sequence[int], parents: Sequence[int], chain: Sequence[int]) -> list[int]:
     """Node indices of the longest prefix of `chain` that is a path from the root of the tree
     (tokens, parents)."""
@@ -98,3 +96,45 @@ def path_of(tokens: Sequence[int], parents: Sequence[int], chain: Sequence[int])
             break
         path.append(at)
     return path
+
+
+@dataclass
+class ProposeBatch:
+    """What a proposer gets for the requests that draft this step. Each request has exactly one
+    pending committed token (the KV of every earlier token is computed)."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]  # committed tokens of each request (read only)
+    max_drafts: list[int]  # the most nodes each tree may have
+    min_score: float  # cost model: nodes whose score is below this do not pay their row
+    params: list[SamplingParams]  # each request's sampling parameters (a draft model samples with them)
+    seeds: list[int]  # each request's sampling seed
+    block_ids: list[list[int]]  # block tables (a draft model's own KV uses the target's tables)
+    num_computed: list[int]  # positions whose target KV is computed (the rest may be stale)
+
+
+class Proposer(Protocol):
+    """Drafts the next tokens of running requests; owns only caches of what it was shown.
+
+    * `observe(request_ids, starts, hidden)`: the target's final hidden states of newly
+      computed committed tokens, positions starts[i] .. starts[i] + len(hidden[i]) - 1 of
+      request i (anything the proposer holds at or past starts[i] is stale). Called only when
+      `needs_hidden`.
+    * `propose(batch)`: one DraftTree (or None: no draft) per request of the batch, at most
+      batch.max_drafts[i] nodes each.
+    * `free(request_id)`: forget the request (finished, aborted or preempted).
+    Committed tokens are the only truth: drafts from earlier steps may have been rejected, or a
+    request preempted, since anything was cached.
+    """
+
+    name: str
+    needs_hidden: bool
+
+    def observe(self, request_ids: list[str], starts: list[int], hidden: list[torch.Tensor]) -> None:
+        ...
+
+    def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:
+        ...
+
+    def free(self, request_id: str) -> None:
+        ...

@@ -19,6 +19,8 @@ specserve.spec_decode.eagle, checkpoint files in specserve.spec_decode.heads_io.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,28 +30,38 @@ from specserve.model.llama import RMSNorm, RotaryEmbedding
 
 
 class HeadKV:
-    """One request's head K/V for drafting, heads-major ([1, Hkv, capacity, D], grown by
-    doubling) so that attention reads the past without copying it. Entry i is pair i; the
-    entries past the committed pairs hold the tree being drafted, overwritten next time."""
+    """One request's head K/V for drafting, heads-major ([Hkv, capacity, D], grown by doubling)
+    so that attention reads the past without copying it. Entry i is pair i; the entries past
+    the committed pairs hold the tree being drafted, overwritten next time."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [1, T, Hkv, D] for entries start .. start + T - 1 -> keys and values of
-        entries 0 .. start + T - 1, [1, Hkv, start + T, D] each (views of the buffers)."""
-        end = start + k.shape[1]
-        if self.k is None or self.k.shape[2] < end:
-            shape = (1, k.shape[2], max(64, 2 * end), k.shape[3])
+        """k, v: [T, Hkv, D] for entries start .. start + T - 1 -> keys and values of entries
+        0 .. start + T - 1, [Hkv, start + T, D] each (views of the buffers)."""
+        end = start + k.shape[0]
+        if self.k is None or self.k.shape[1] < end:
+            shape = (k.shape[1], max(64, 2 * end), k.shape[2])
             grown_k, grown_v = k.new_empty(shape), v.new_empty(shape)
             if self.k is not None:
-                grown_k[:, :, :start] = self.k[:, :, :start]
-                grown_v[:, :, :start] = self.v[:, :, :start]
+                grown_k[:, :start] = self.k[:, :start]
+                grown_v[:, :start] = self.v[:, :start]
             self.k, self.v = grown_k, grown_v
-        self.k[:, :, start:end] = k.transpose(1, 2)
-        self.v[:, :, start:end] = v.transpose(1, 2)
-        return self.k[:, :, :end], self.v[:, :, :end]
+        self.k[:, start:end] = k.transpose(0, 1)
+        self.v[:, start:end] = v.transpose(0, 1)
+        return self.k[:, :end], self.v[:, :end]
+
+
+class Segment(NamedTuple):
+    """The rows of one request in a drafting pass: written into `kv` from entry `past` on; each
+    row sees the entries `mask` allows ([T, past + T] bool; None: all past entries and the
+    new rows causally)."""
+    kv: HeadKV
+    past: int
+    rows: int
+    mask: torch.Tensor | None
 
 
 class HeadAttention(nn.Module):
@@ -64,21 +76,27 @@ class HeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past_k: torch.Tensor | None, past_v: torch.Tensor | None,
-                mask: torch.Tensor | None, kv: tuple[HeadKV, int] | None = None
+                mask: torch.Tensor | None, segments: list[Segment] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, hidden]; cos/sin: [T, 1, D/2] (or [B, T, 1, D/2]); past_k/v: [B, P, Hkv, D];
-        mask: [B or 1, T, P+T] bool or None (None: causal over T, P must be 0).
-        kv (drafting, B = 1): (buffers, P) instead of past_k/v: the new K/V are written at
-        entry P and attention reads entries 0 .. P+T-1 in place.
-        Returns (out [B, T, hidden], k [B, T, Hkv, D], v [B, T, Hkv, D]) with k rotated."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv, self.head_dim)
+        """Training: x [B, T, hidden]; cos/sin [T, 1, D/2] (or [B, T, 1, D/2]); past_k/v
+        [B, P, Hkv, D]; mask [B or 1, T, P+T] bool or None (causal over T, P must be 0).
+        Drafting (`segments`): x [N, hidden], the rows of several requests one after another,
+        cos/sin [N, 1, D/2]; each request's new K/V go to its HeadKV and its rows attend there.
+        Returns (out, k, v) with k rotated ([B, T, Hkv, D], or [N, Hkv, D] drafting)."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv, self.head_dim)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        if kv is not None:
-            out = self._attend_folded(q, *kv[0].write(kv[1], k, v), mask, kv[1])
-            return self.o_proj(out), k, v
+        if segments is not None:
+            outs, at = [], 0
+            for seg in segments:
+                rows = slice(at, at + seg.rows)
+                outs.append(self._attend_folded(q[rows], *seg.kv.write(seg.past, k[rows], v[rows]),
+                                                seg.mask, seg.past))
+                at += seg.rows
+            return self.o_proj(torch.cat(outs)), k, v
+        b, t = lead
         keys = k if past_k is None else torch.cat([past_k, k], 1)
         values = v if past_v is None else torch.cat([past_v, v], 1)
         group = self.num_heads // self.num_kv
@@ -92,15 +110,17 @@ class HeadAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
 
     def _attend_folded(self, q, keys, values, mask, past: int) -> torch.Tensor:
-        """q [1, T, H, D] against keys/values [1, Hkv, S, D]: the G query heads of a KV head
-        are folded into the query axis (no copies of K/V per head) -> [1, T, H*D]."""
-        _, t, _, d = q.shape
+        """q [T, H, D] against keys/values [Hkv, S, D]: the G query heads of a KV head are
+        folded into the query axis (no copies of K/V per head) -> [T, H*D]."""
+        t, _, d = q.shape
         group = self.num_heads // self.num_kv
-        if mask is None:  # causal over the new entries after the past ones
-            mask = torch.ones(1, t, past + t, dtype=torch.bool, device=q.device).tril(past)
-        qf = q.view(1, t, self.num_kv, group, d).permute(0, 2, 3, 1, 4).reshape(1, self.num_kv, group * t, d)
-        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask.repeat(1, group, 1)[:, None])
-        return out.view(1, self.num_kv, group, t, d).permute(0, 3, 1, 2, 4).reshape(1, t, -1)
+        qf = q.view(t, self.num_kv, group, d).permute(1, 2, 0, 3).reshape(self.num_kv, group * t, d)
+        if mask is None and t > 1:  # causal over the new entries after the past ones
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)
+        if mask is not None:
+            mask = mask.repeat(group, 1)[None]
+        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
+        return out.view(self.num_kv, group, t, d).permute(2, 0, 1, 3).reshape(t, -1)
 
 
 class HeadMLP(nn.Module):
@@ -122,9 +142,9 @@ class HeadLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = HeadMLP(arch)
 
-    def forward(self, x, cos, sin, past_k, past_v, mask, kv=None):
+    def forward(self, x, cos, sin, past_k, past_v, mask, segments=None):
         a_in = x if self.input_layernorm is None else self.input_layernorm(x)
-        a, k, v = self.self_attn(a_in, cos, sin, past_k, past_v, mask, kv)
+        a, k, v = self.self_attn(a_in, cos, sin, past_k, past_v, mask, segments)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
@@ -143,16 +163,17 @@ class EagleHead(nn.Module):
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, kv: tuple[HeadKV, int] | None = None):
-        """features, embeds: [B, T, hidden]; positions: [T] (or [B, T]) int64; the past as
-        past_k/past_v or, drafting, as kv = (HeadKV, number of past entries) (HeadAttention).
-        Returns (predicted next features [B, T, hidden], new keys, new values [B, T, Hkv, D])."""
+                mask: torch.Tensor | None = None, segments: list[Segment] | None = None):
+        """Training: features, embeds [B, T, hidden]; positions [T] (or [B, T]) int64; the past
+        as past_k/past_v. Drafting: features, embeds [N, hidden], positions [N], the rows of
+        several requests by `segments` (HeadAttention). Returns (predicted next features, new
+        keys, new values)."""
         x = self.fc(torch.cat([embeds, features], -1))
         cos, sin = self.rotary.table(positions.reshape(-1), x.dtype)
         if positions.dim() == 2:
             cos = cos.view(*positions.shape, 1, -1)
             sin = sin.view(*positions.shape, 1, -1)
-        return self.layers[0](x, cos, sin, past_k, past_v, mask, kv)
+        return self.layers[0](x, cos, sin, past_k, past_v, mask, segments)
 
 
 def head_arch_from_target(target: ModelArch) -> ModelArch:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import DEFAULT_DRAFTS
+from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.quant import draft_lm_head
 
 
@@ -86,10 +87,12 @@ def tree_from_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
 class MedusaProposer:
     """Medusa drafting: the heads read the target's feature of the token before the pending
     one (f_{n-1}: its LM head gave x_n, head k proposes x_{n+k+1}); the tree takes, for a path of
-    ranks (r_1..r_d), the r_d-th best token of head d-1. Nodes are deterministic top-k
+    ranks (r_1..r_d), the r_d-th best token of head d-1, scored by the sum of the path's log
+    probabilities. One pass of the heads for the whole batch. Nodes are deterministic top-k
     candidates, so the DraftTree has no probabilities (one-hot q: exact under sampling)."""
 
     name = "medusa"
+    needs_hidden = True
 
     def __init__(self, target_model, heads_dir, num_speculative_tokens: int = DEFAULT_DRAFTS["medusa"],
                  tree: list | None = None, quantize: bool = False) -> None:
@@ -101,33 +104,44 @@ class MedusaProposer:
         self.heads = heads.to(self.device, self.dtype)
         self.d2t = d2t.to(self.device) if d2t is not None else None
         lm_weight = w.index_select(0, self.d2t) if d2t is not None else w
-        self.lm_head = draft_lm_head(self.heads, lm_weight, quantize)  # int8 heads: specserve.spec_decode.quant
+        self.lm_head = draft_lm_head(self.heads, lm_weight, quantize)  # int8 heads: spec_decode.quant
         self.paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
 
-    def observe(self, req, start: int, hidden: torch.Tensor) -> None:
-        if hidden.shape[0]:
-            self.last[req.request_id] = (start + hidden.shape[0] - 1, hidden[-1].detach())
+    def observe(self, request_ids: list[str], starts: list[int], hidden: list[torch.Tensor]) -> None:
+        for rid, start, h in zip(request_ids, starts, hidden):
+            if h.shape[0]:
+                self.last[rid] = (start + h.shape[0] - 1, h[-1].detach())
 
     def free(self, request_id: str) -> None:
         self.last.pop(request_id, None)
 
     @torch.inference_mode()
-    def propose_one(self, req, max_drafts: int):
-        from specserve.spec_decode.draft_tree import DraftTree
-
-        seen = self.last.get(req.request_id)
-        if seen is None or seen[0] != req.num_tokens - 2 or max_drafts < 1:
-            return None
+    def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:
+        out: list[DraftTree | None] = [None] * len(batch.request_ids)
+        ready = [j for j, (rid, toks) in enumerate(zip(batch.request_ids, batch.token_ids))
+                 if self.last.get(rid, (-1,))[0] == len(toks) - 2]
+        if not ready:
+            return out
         width = 1 + max(max(p) for p in self.paths)
-        logits = self.heads.logits(seen[1].to(self.dtype)[None], self.lm_head)[:, 0]  # [K, V']
-        top = logits.topk(width, -1).indices
-        top = (self.d2t[top] if self.d2t is not None else top).tolist()
-        paths = self.paths[:min(self.m, max_drafts)]
-        index = {p: i for i, p in enumerate(paths)}
-        return DraftTree([top[len(p) - 1][p[-1]] for p in paths],
-                         [index[p[:-1]] if len(p) > 1 else -1 for p in paths])
-
-    def propose(self, requests: list, max_drafts: list[int]) -> list:
-        return [self.propose_one(r, m) for r, m in zip(requests, max_drafts)]
+        feats = torch.stack([self.last[batch.request_ids[j]][1] for j in ready]).to(self.dtype)
+        logp = torch.log_softmax(self.heads.logits(feats, self.lm_head).float(), -1)  # [K, B, V']
+        top_lp, top = logp.topk(width, -1)
+        top = self.d2t[top] if self.d2t is not None else top
+        top_lp, top = top_lp.tolist(), top.tolist()  # one transfer for the batch
+        for b, j in enumerate(ready):
+            index, tokens, parents, scores = {}, [], [], []
+            for p in self.paths:
+                parent = index.get(p[:-1], -1) if len(p) > 1 else -1
+                score = (scores[parent] if parent >= 0 else 0.0) + top_lp[len(p) - 1][b][p[-1]]
+                if (len(p) > 1 and p[:-1] not in index) or score < batch.min_score:
+                    continue
+                if len(tokens) == min(self.m, batch.max_drafts[j]):
+                    break
+                index[p] = len(tokens)
+                tokens.append(top[len(p) - 1][b][p[-1]])
+                parents.append(parent)
+                scores.append(score)
+            out[j] = DraftTree(tokens, parents, None, scores) if tokens else None
+        return out

@@ -1,24 +1,21 @@
-"""N-gram (prompt lookup) proposer: copy what followed the context's suffix earlier on.
+"""Prompt lookup: copy what followed the context's suffix earlier on.
 
 For each request, the longest suffix of its committed tokens, between prompt_lookup_max and
 prompt_lookup_min tokens long, is looked up in the earlier part of prompt + output; the most
-recent occurrence wins, and the k tokens that followed it become a one-hot chain draft. When
-the match is so recent that fewer than k tokens follow it (a repeating pattern), the copy
+recent occurrence wins, and the k tokens that followed it become a one-hot chain. When the
+match is so recent that fewer than k tokens follow it (a repeating pattern), the copy
 continues over its own output, so a period-p loop still yields k tokens.
 
-Each request keeps a growing numpy copy of its tokens (only new tokens are appended per
-step), and a lookup is a few vectorised comparisons over the context: tens of microseconds
-at 4k tokens (see docs/speculation.md for measurements). No model, no probabilities.
+Method "ngram" drafts with this alone; the tree methods graft its chain onto every tree. Each
+request keeps a growing numpy copy of its tokens (only new tokens are appended per step), and
+a lookup is a few vectorised comparisons over the context: tens of microseconds at 4k tokens
+(see docs/speculation.md). No model, no probabilities, no scores: the cost model values its
+nodes by the acceptance measured at each depth.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
-
-from specserve.request import Request
-from specserve.spec_decode.draft_tree import DraftTree
 
 
 class _TokenBuffer:
@@ -62,21 +59,21 @@ def ngram_lookup(ctx: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
 
 
 class NgramProposer:
-    name = "ngram"
+    """Prompt-lookup chains of at most k tokens per request."""
 
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int,
-                 prompt_lookup_max: int) -> None:
-        self.k = num_speculative_tokens
-        self.min_n = prompt_lookup_min
-        self.max_n = prompt_lookup_max
-        self._buffers: weakref.WeakKeyDictionary[Request, _TokenBuffer] = weakref.WeakKeyDictionary()
+    def __init__(self, k: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.k, self.min_n, self.max_n = k, prompt_lookup_min, prompt_lookup_max
+        self._buffers: dict[str, _TokenBuffer] = {}
 
-    def propose(self, requests: list[Request], max_drafts: list[int]) -> list[DraftTree | None]:
-        out: list[DraftTree | None] = []
-        for req, k in zip(requests, max_drafts):
-            buf = self._buffers.get(req)
+    def lookup(self, request_ids: list[str], token_ids: list[list[int]], ks: list[int]) -> list[list[int]]:
+        """One chain (maybe empty) per request, of at most ks[i] tokens."""
+        out = []
+        for rid, tokens, k in zip(request_ids, token_ids, ks):
+            buf = self._buffers.get(rid)
             if buf is None:
-                buf = self._buffers[req] = _TokenBuffer()
-            tokens = ngram_lookup(buf.sync(req.all_token_ids), self.min_n, self.max_n, k)
-            out.append(DraftTree.chain(tokens) if tokens else None)
+                buf = self._buffers[rid] = _TokenBuffer()
+            out.append(ngram_lookup(buf.sync(tokens), self.min_n, self.max_n, k) if k > 0 else [])
         return out
+
+    def free(self, request_id: str) -> None:
+        self._buffers.pop(request_id, None)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("int8", "none")
+QUANTIZATIONS = ("auto", "int8", "none")
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,14 +78,44 @@ def draft_lm_head(heads: nn.Module, lm_weight: torch.Tensor, quantize: bool):
     return lambda x: x @ weight_t
 
 
-def check_quantization(value, device: torch.device) -> bool:
-    """speculative_config "quantization" -> whether to quantize the draft head (None: the
-    default, int8 on a CPU, where weight reads dominate a head pass; off elsewhere)."""
-    if value is None:
-        return device.type == "cpu"
+def check_quantization(value, device: torch.device, hidden: int, intermediate: int,
+                       dtype: torch.dtype) -> bool:
+    """speculative_config "quantization" -> whether to quantize the draft head. "auto" (the
+    default): on a CPU, int8 where `int8_pays` measures it faster than the model's dtype for a
+    head of this shape; off elsewhere."""
+    value = "auto" if value is None else value
     if value not in QUANTIZATIONS:
         raise ValueError(f"speculative_config.quantization: expected one of {', '.join(QUANTIZATIONS)}, "
                          f"got {value!r}")
     if value == "int8" and device.type != "cpu":
         raise ValueError("speculative_config.quantization: 'int8' runs on the CPU only")
+    if value == "auto":
+        return device.type == "cpu" and int8_pays(hidden, intermediate, dtype)
     return value == "int8"
+
+
+_INT8_PAYS: dict[tuple, bool] = {}
+
+
+def int8_pays(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
+    """Whether int8 weight-only products beat the dtype's GEMM on this CPU for 1 and 4 rows of
+    a head-sized matrix (by 10%): AVX512 machines say yes, AVX2-only ones no. Cached."""
+    import time
+
+    key = (hidden, intermediate, dtype, torch.get_num_threads())
+    if key not in _INT8_PAYS:
+        weight = torch.randn(intermediate, hidden, dtype=dtype) * 0.02
+        layer = Int8Linear(weight, None)
+        faster = []
+        for rows in (1, 4):
+            x = torch.randn(rows, hidden, dtype=dtype)
+            times = {}
+            for name, fn in (("int8", layer), ("dense", lambda x: F.linear(x, weight))):
+                fn(x)
+                start = time.perf_counter()
+                for _ in range(50):
+                    fn(x)
+                times[name] = time.perf_counter() - start
+            faster.append(times["int8"] < 0.9 * times["dense"])
+        _INT8_PAYS[key] = all(faster)
+    return _INT8_PAYS[key]

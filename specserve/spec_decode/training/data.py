@@ -205,20 +205,16 @@ def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_toke
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = llm.engine.runner
     captured: dict[str, dict[int, torch.Tensor]] = {}
-    original = runner.execute
 
-    def execute(sched, tree_parents=None):
-        starts = [r.num_computed_tokens for r in sched.requests]
-        result = original(sched, tree_parents)
-        hidden, off = result.all_hidden.to("cpu", torch.float16), 0  # one copy per step
-        for req, n, s in zip(sched.requests, sched.num_tokens, starts):
+    def capture(sched, every: torch.Tensor) -> None:
+        hidden, off = every.to("cpu", torch.float16), 0  # one copy per step
+        for req, n in zip(sched.requests, sched.num_tokens):
             rows = captured.setdefault(req.request_id, {})
             for j in range(n):
-                rows[s + j] = hidden[off + j]
+                rows[req.num_computed_tokens + j] = hidden[off + j]
             off += n
-        return result
 
-    runner.execute = execute
+    runner.hidden_hooks.append(capture)
     files = []
     try:
         for i in range(0, len(prompts), chunk):
@@ -248,5 +244,5 @@ def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_toke
             log(f"data: {prefix} {i // chunk} ({len(seqs)} answers, {ntok} tokens) "
                 f"in {time.time() - t0:.0f} s")
     finally:
-        runner.execute = original
+        runner.hidden_hooks.remove(capture)
     return files

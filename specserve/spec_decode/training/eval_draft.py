@@ -1,8 +1,10 @@
-"""Measure a draft head's greedy acceptance on the default model with the hand-written tree
-loop (specserve.spec_decode.tree): mean tokens emitted per verify step (accepted drafts + 1), and the
-wall time against plain greedy decoding of the same prompts (output checked equal).
+"""Measure a draft head's greedy acceptance on the default model through the engine: mean
+tokens emitted per verify step (accepted drafts + 1) with every drafted node verified
+(`"adaptive": false`), and the wall time against plain greedy decoding of the same prompts
+(output checked equal).
 
-    python -m specserve.spec_decode.training.eval_draft [--method eagle|medusa] [--head DIR] [--m 16 --depth 5 --topk 4]
+    python -m specserve.spec_decode.training.eval_draft [--method eagle|medusa] [--head DIR] \\
+        [--m 16 --depth 5 --topk 4]
 
 The prompts are our own, written for this check: neither Spec-Bench nor the training templates.
 """
@@ -24,44 +26,23 @@ PROMPTS = [
 ]
 
 
-class _NoDrafts:
-    def observe(self, req, start, hidden) -> None:
-        pass
+def run(llm, prompts: list[str], num_tokens: int) -> tuple[list[list[int]], float, float]:
+    """-> (greedy outputs, tokens per verify step, seconds)."""
+    from specserve import SamplingParams
 
-    def propose(self, reqs, max_drafts):
-        return [None] * len(reqs)
-
-
-def run_loop(runner, kv, tok, proposer, prompts: list[str], num_tokens: int, max_drafts: int):
-    from specserve.request import Request, SamplingParams
-    from specserve.spec_decode.tree import prefill_step, tree_spec_step
-
-    reqs = []
-    for i, p in enumerate(prompts):
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                      return_dict=True)["input_ids"]
-        reqs.append(Request(str(i), list(ids), SamplingParams(temperature=0.0), set(), 0))
-    prefill_step(runner, kv, reqs, proposer)
-    start, steps = time.time(), 0
-    while min(r.num_output_tokens for r in reqs) < num_tokens:
-        tree_spec_step(runner, kv, reqs, proposer, max_drafts)
-        steps += 1
+    stats = llm.engine.stats
+    drafts, accepted = stats.spec_num_drafts, stats.spec_num_accepted_tokens
+    start = time.time()
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                    SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
     elapsed = time.time() - start
-    out = [r.output_token_ids[:num_tokens] for r in reqs]
-    per_step = sum(r.num_output_tokens - 1 for r in reqs) / (steps * len(reqs))
-    for r in reqs:
-        kv.free(r)
-    return out, per_step, elapsed
+    steps = stats.spec_num_drafts - drafts
+    per_step = 1 + (stats.spec_num_accepted_tokens - accepted) / steps if steps else 1.0
+    return [o.outputs[0].token_ids for o in outs], per_step, elapsed
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers import AutoTokenizer
-
-    from specserve.config import DEFAULT_MODEL, CacheConfig, ModelConfig
-    from specserve.kv_cache.manager import KVCacheManager
-    from specserve.model.arch import ModelArch
-    from specserve.model.loader import resolve_model_dir
-    from specserve.model.runner import ModelRunner
+    from specserve import LLM
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", choices=["eagle", "medusa"], default="eagle")
@@ -74,27 +55,19 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.method == "medusa" and not args.head:
         p.error("--method medusa needs --head (no Medusa head is shipped)")
-    model_dir = resolve_model_dir(DEFAULT_MODEL)
-    arch = ModelArch.from_dir(model_dir)
-    runner = ModelRunner(model_dir, arch, ModelConfig(), CacheConfig(num_blocks=512), 2048)
-    kv = KVCacheManager(512, 16, enable_prefix_caching=False)
-    tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = PROMPTS[:args.num_prompts]
-    ref, _, t_plain = run_loop(runner, kv, tok, _NoDrafts(), prompts, args.tokens, 0)
+    ref, _, t_plain = run(LLM(max_model_len=2048, speculative_config=None), prompts, args.tokens)
     print(f"plain greedy: {t_plain:.1f} s for {len(prompts)} x {args.tokens} tokens", flush=True)
     for m in args.m:
+        config = {"method": args.method, "num_speculative_tokens": m, "adaptive": False, "lookup_branch": 0}
+        if args.head:
+            config["model"] = args.head
         if args.method == "eagle":
-            from specserve.spec_decode.eagle import EagleProposer
-
-            prop = EagleProposer(runner.model, args.head, m, args.depth, args.topk)
-        else:
-            from specserve.spec_decode.medusa import MedusaProposer
-
-            prop = MedusaProposer(runner.model, args.head, m)
-        out, per_step, t = run_loop(runner, kv, tok, prop, prompts, args.tokens, m)
+            config.update(depth=args.depth, topk=args.topk)
+        out, per_step, t = run(LLM(max_model_len=2048, speculative_config=config), prompts, args.tokens)
         shape = f"m={m} depth={args.depth} topk={args.topk}" if args.method == "eagle" else f"m={m}"
-        print(f"{args.method} {shape}: {per_step:.2f} tokens/step, "
-              f"{t:.1f} s, equal to plain: {out == ref}", flush=True)
+        print(f"{args.method} {shape}: {per_step:.2f} tokens/step, {t:.1f} s, equal to plain: {out == ref}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -83,8 +83,9 @@ def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
         return
     from specserve import LLM
 
+    # plain decoding: every computed row is then a committed token whose features are recorded
     llm = LLM(args.target, max_model_len=args.max_model_len, enable_prefix_caching=False,
-              max_num_seqs=args.chunk, max_num_batched_tokens=4096)
+              max_num_seqs=args.chunk, max_num_batched_tokens=4096, speculative_config=None)
     generate_chunks(llm, instruction_prompts(args.num_prompts, args.seed), data, args.chunk,
                     args.max_tokens, deadline, log)
     if args.self_instruct > 0 and time.time() < deadline:

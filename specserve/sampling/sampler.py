@@ -4,11 +4,14 @@ Every row of logits belongs to one request and one output position. Rows carry t
 temperature, top-k, top-p, min-p and penalties; all of them are applied with tensor ops over
 the whole batch, never a Python loop over vocabulary-sized tensors.
 
-Randomness is a counter-based hash of (request seed, output position, token id), turned into
+Randomness is a counter-based hash of (request seed, output position, column), turned into
 Exponential(1) noise: sampling from a distribution p is argmax(p / noise) (the "exponential
 race", equivalent to categorical sampling and free of host syncs). A seeded request therefore
 draws the same stream whatever else is in the batch, and speculation reads the same noise a
-plain decode step would, so seeded outputs do not depend on the batch or on drafts.
+plain decode step would.
+
+Penalty counts are kept per request as tokens are committed (`TokenCounts`), so a step only
+adds the few tokens that are new; rows of draft nodes add their ancestors on top.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.request import Request, TokenLogprob
+from specserve.request import SamplingParams, TokenLogprob
 
 _M32 = 0xFFFFFFFF
 
@@ -31,18 +34,72 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
-    """Uniform(0, 1) float64 [N, width], a pure function of (seed, position, column)."""
+def _mix32_wrapping(x: torch.Tensor) -> torch.Tensor:
+    """The same finaliser on int32 tensors (products wrap; shifts made logical by masks):
+    half the memory traffic of the int64 form, for the per-column work."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * -2048144789  # 0x85EBCA6B as int32
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * -1028477387  # 0xC2B2AE35 as int32
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def uniform_at(seeds: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Uniform(0, 1) float32 (24 random bits, never 0 or 1), a pure function of (seed,
+    position, column), elementwise over the broadcast shape of the three int64 tensors."""
     seeds = seeds.to(torch.int64)
     row = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ _mix32(positions.to(torch.int64) & _M32)))
+    row = torch.where(row >= 1 << 31, row - (1 << 32), row).to(torch.int32)
+    cols = (columns.to(torch.int64) * 0x9E3779B9) & _M32
+    cols = torch.where(cols >= 1 << 31, cols - (1 << 32), cols).to(torch.int32)
+    x = _mix32_wrapping(row ^ cols)
+    return (((x >> 8) & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+    """seeds, positions [N] -> Uniform(0, 1) float32 [N, width] (columns 0 .. width - 1)."""
     cols = torch.arange(width, dtype=torch.int64, device=seeds.device)
-    x = _mix32((row[:, None] + cols[None, :] * 0x9E3779B9) & _M32)
-    x = _mix32(x ^ (row[:, None] >> 7))
-    return (x.double() + 0.5) / 4294967296.0
+    return uniform_at(seeds[:, None], positions[:, None], cols[None, :])
 
 
 def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
     return -torch.log(uniform_noise(seeds, positions, width))
+
+
+class TokenCounts:
+    """One request's token occurrences for penalties: `seen` (prompt or output, [V] bool) and
+    `output` ([V] float), brought up to date with `sync` before each step."""
+
+    def __init__(self, prompt_token_ids: list[int], vocab_size: int, device) -> None:
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.seen[torch.tensor(prompt_token_ids, dtype=torch.int64, device=device)] = True
+        self.output = torch.zeros(vocab_size, device=device)
+        self.num_prompt = len(prompt_token_ids)
+        self.counted = 0  # output tokens already in `output`
+
+    def sync(self, all_token_ids: list[int]) -> "TokenCounts":
+        new = all_token_ids[self.num_prompt + self.counted:]
+        if new:
+            ids = torch.tensor(new, dtype=torch.int64, device=self.output.device)
+            self.output.index_add_(0, ids, torch.ones(len(new), device=ids.device))
+            self.seen[ids] = True
+            self.counted += len(new)
+        return self
+
+
+def row_counts(counts: list[TokenCounts], extra: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: its request's counts plus `extra` tokens (the draft nodes before the row) ->
+    (output counts [R, V] float, seen [R, V] bool)."""
+    output = torch.stack([c.output for c in counts])
+    seen = torch.stack([c.seen for c in counts])
+    rows = [r for r, toks in enumerate(extra) for _ in toks]
+    if rows:
+        device = output.device
+        r = torch.tensor(rows, dtype=torch.int64, device=device)
+        t = torch.tensor([t for toks in extra for t in toks], dtype=torch.int64, device=device)
+        output.index_put_((r, t), torch.ones(len(rows), device=device), accumulate=True)
+        seen[r, t] = True
+    return output, seen
 
 
 @dataclass
@@ -64,9 +121,10 @@ class SamplingBatch:
     all_greedy: bool
 
     @staticmethod
-    def build(rows: list[tuple[Request, list[int]]], vocab_size: int, device) -> "SamplingBatch":
-        """rows: (request, draft tokens preceding this row) for each row of logits."""
-        params = [r.params for r, _ in rows]
+    def build(params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int,
+              device, counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> "SamplingBatch":
+        """One entry per row; `counts` (row_counts) is needed when any row has penalties, and
+        ignored otherwise."""
         f = lambda vals, dt=torch.float32: torch.tensor(vals, dtype=dt, device=device)  # noqa: E731
         greedy = [p.greedy for p in params]
         batch = SamplingBatch(
@@ -76,30 +134,17 @@ class SamplingBatch:
             if any(p.top_k for p in params) else None,
             top_p=f([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
             min_p=f([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
-            seeds=f([r.sampling_seed for r, _ in rows], torch.int64),
-            positions=f([r.num_tokens + len(d) for r, d in rows], torch.int64),
+            seeds=f(seeds, torch.int64), positions=f(positions, torch.int64),
             presence=None, frequency=None, repetition=None, output_counts=None, seen_mask=None,
             all_greedy=all(greedy),
         )
         if any(p.has_penalties for p in params):
+            assert counts is not None, "rows with penalties need their token counts"
             batch.presence = f([p.presence_penalty for p in params])
             batch.frequency = f([p.frequency_penalty for p in params])
             batch.repetition = f([p.repetition_penalty for p in params])
-            outputs = [r.output_token_ids + d for r, d in rows]
-            batch.output_counts = _counts(outputs, vocab_size, device)
-            prompts = _counts([r.prompt_token_ids for r, _ in rows], vocab_size, device)
-            batch.seen_mask = (batch.output_counts + prompts) > 0
+            batch.output_counts, batch.seen_mask = counts
         return batch
-
-
-def _counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
-    width = max(1, max(len(t) for t in token_lists))
-    ids = torch.full((len(token_lists), width), vocab_size, dtype=torch.int64)
-    for i, t in enumerate(token_lists):
-        ids[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
-    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
-    counts.scatter_add_(1, ids.to(device), torch.ones_like(ids, dtype=torch.float32, device=device))
-    return counts[:, :vocab_size]
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

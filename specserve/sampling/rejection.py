@@ -1,0 +1,205 @@
+"""Lossless verification of every request's draft tree in one batched call.
+
+A step's target rows are flattened over the batch: request b owns rows root_row[b] ..
+root_row[b] + n_b, row root_row[b] being the distribution after its last committed token (the
+root) and row root_row[b] + 1 + i the distribution after its draft node i. Node i is tested
+against its parent's row. A request without drafts is a root without nodes: verification then
+is plain sampling, so every row of a step goes through this one function.
+
+Greedy request: a node passes when its token is the argmax of its parent's row.
+
+Seeded sampled request (coupled): a node passes when its token is the one plain sampling
+draws at its parent's row, argmax(p / E) with the request's own noise E at that row's
+position; the final token is that draw at the leaf. The output is then token for token what
+plain sampling with this seed emits, whatever was drafted, so a seed reproduces a completion
+whatever the batch and the cost model did. For one-hot drafts the chance of acceptance is
+that of the rule below (a draw lands on a node's token with probability p(token)); a draft
+model draws its drafts with the same noise (specserve.spec_decode.draft_model) to couple its
+choices with the target's.
+
+Sampled request without a seed (Leviathan et al. 2023, Chen et al. 2023; for several children the multi-draft
+rule of SpecInfer, Miao et al. 2024): at a row with target distribution p the children are
+tried in rank order; child c with token x and draft distribution q_c is accepted with
+probability min(1, p'(x) / q_c(x)), where p' is p after the earlier siblings' rejections:
+p' = norm(max(0, p - q_s)) over rejected siblings s. Nodes without a draft distribution are
+one-hot (q = e_x): then p' is p with the rejected siblings' tokens removed, so the test reads
+u * (1 - mass of earlier siblings) < p(x). A node with a draft distribution must be the only
+child of its parent (draft chains), so its test is u * q(x) < p(x). Every test depends only on
+its parent's row, so all of them run at once; the accepted path then follows, from the root,
+the first passing child of each row.
+
+The final token is drawn at the end of the accepted path (the leaf row): greedy the argmax;
+sampled from the residual p' after all of the leaf's children were rejected (the *recovered*
+token), or from p when it had none (the *bonus* token), with the exponential race over
+hash noise of (seed, position, column); a residual that is identically zero (numerically)
+falls back to p. Uniforms of the acceptance tests are the same hash at column V + rank, at
+the position of the parent's row. So the emitted tokens follow the target distribution
+exactly and a seeded request is reproducible whatever else is in the batch.
+
+No per-node host synchronisation: tensor ops over all nodes, a walk of max-depth steps over
+all requests, and one transfer of the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.sampling.sampler import exponential_noise, uniform_at
+
+
+@dataclass
+class FlatTrees:
+    """Draft nodes of every request in a step, flattened; nodes of a request are contiguous
+    and in its tree's order (parents before children)."""
+
+    root_row: torch.Tensor  # [B] int64: each request's root row
+    token: torch.Tensor  # [N] int64: draft token of each node
+    row: torch.Tensor  # [N] int64: the node's own row (the distribution after it)
+    parent_row: torch.Tensor  # [N] int64: the row the node is tested against
+    rank: torch.Tensor  # [N] int64: order among its parent's children
+    req: torch.Tensor  # [N] int64: the request of each node
+    probs: torch.Tensor | None  # [N, V] draft distribution q of each node; None: all one-hot
+    has_probs: torch.Tensor | None  # [N] bool: the node's q row is real (else one-hot)
+    node_start: list[int]  # [B + 1] host offsets of each request's nodes
+    max_depth: int
+    max_width: int
+
+    @staticmethod
+    def build(root_rows: list[int], trees: list[tuple[list[int], list[int], torch.Tensor | None]],
+              vocab_size: int, device) -> "FlatTrees":
+        """trees: per request (tokens, parents, probs or None); node i of request b sits at
+        row root_rows[b] + 1 + i."""
+        sizes = [len(t) for t, _, _ in trees]
+        start = np.zeros(len(trees) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=start[1:])
+        n = int(start[-1])
+        token = np.empty(n, dtype=np.int64)
+        parent = np.empty(n, dtype=np.int64)
+        depth = np.zeros(n, dtype=np.int64)
+        rank = np.zeros(n, dtype=np.int64)
+        for b, (toks, parents, _) in enumerate(trees):
+            s = int(start[b])
+            token[s:s + len(toks)] = toks
+            parent[s:s + len(toks)] = parents
+            kids: dict[int, int] = {}
+            for i, p in enumerate(parents):
+                depth[s + i] = 1 if p < 0 else depth[s + p] + 1
+                rank[s + i] = kids.get(p, 0)
+                kids[p] = rank[s + i] + 1
+        req = np.repeat(np.arange(len(trees)), sizes)
+        root = np.asarray(root_rows, dtype=np.int64)
+        row = root[req] + 1 + (np.arange(n) - start[req])
+        parent_row = root[req] + 1 + parent
+        as_t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+        probs = has_probs = None
+        if any(p is not None for _, _, p in trees):
+            probs = torch.zeros(n, vocab_size, device=device)
+            has = np.zeros(n, dtype=bool)
+            for b, (_, _, p) in enumerate(trees):
+                if p is not None and len(p):
+                    probs[int(start[b]):int(start[b + 1])] = p.to(device)
+                    has[int(start[b]):int(start[b + 1])] = True
+            has_probs = as_t(has)
+        return FlatTrees(as_t(root), as_t(token), as_t(row), as_t(parent_row), as_t(rank), as_t(req),
+                         probs, has_probs, start.tolist(), int(depth.max(initial=0)),
+                         int(rank.max(initial=-1)) + 1)
+
+
+@dataclass
+class TreeVerdict:
+    accepted: list[list[int]]  # per request: accepted node indices (into its tree), root to leaf
+    final: list[int]  # per request: the token drawn at the end of the accepted path
+
+
+def coupled_tokens(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """What plain sampling draws from rows probs [N, V] at (seed, position) [N]: [N] int64."""
+    return (probs / exponential_noise(seeds, positions, probs.shape[1])).argmax(-1)
+
+
+def verify_trees(target: torch.Tensor, exact: torch.Tensor, seeds: torch.Tensor, row_pos: torch.Tensor,
+                 trees: FlatTrees, all_exact: bool,
+                 coupled: tuple[torch.Tensor, torch.Tensor] | None = None) -> TreeVerdict:
+    """target: [R, V] float, rows of greedy requests (penalised) logits, rows of sampled ones
+    probabilities; exact: [B] bool, requests whose nodes must equal one token per row (greedy,
+    coupled); seeds: [B] int64; row_pos: [R] int64, the position of the token each row samples
+    (it keys the noise); coupled: (rows [Rc], their seeds [Rc]) of the coupled (seeded sampled)
+    requests, whose token is plain sampling's draw instead of the argmax."""
+    vocab = target.shape[1]
+    best = target.argmax(-1)  # [R]: the one token of each exact row
+    if coupled is not None:
+        rows, row_seeds = coupled
+        best[rows] = coupled_tokens(target[rows], row_seeds, row_pos[rows])
+    leaf = trees.root_row
+    path = torch.empty(len(leaf), 0, dtype=torch.int64, device=target.device)
+    if trees.token.numel():
+        passed = _tests(target, best, exact, seeds, row_pos, trees, all_exact)
+        path, leaf = _walk(passed, trees, target.shape[0])
+    final = best[leaf]
+    if not all_exact:
+        final = torch.where(exact, final, _draw_final(target, leaf, seeds, row_pos, trees, vocab))
+    out = torch.cat([path, final[:, None]], dim=1).tolist()  # the step's one transfer
+    starts = trees.node_start
+    return TreeVerdict([[n - starts[b] for n in row[:-1] if n >= 0] for b, row in enumerate(out)],
+                       [row[-1] for row in out])
+
+
+def _tests(target, best, exact, seeds, row_pos, t: FlatTrees, all_exact: bool) -> torch.Tensor:
+    """[N] bool: each node's acceptance test against its parent's row."""
+    match = t.token == best[t.parent_row]
+    if all_exact:
+        return match
+    p_x = target[t.parent_row, t.token].double()
+    # mass of the earlier (rejected, one-hot) siblings: exclusive sum over ranks per parent row
+    mass = torch.zeros(target.shape[0], t.max_width + 1, dtype=torch.float64, device=target.device)
+    mass[t.parent_row, t.rank + 1] = p_x
+    before = mass.cumsum(1)[t.parent_row, t.rank]
+    q_x = torch.ones_like(p_x)
+    if t.probs is not None:
+        own = t.probs[torch.arange(len(t.token), device=p_x.device), t.token].double()
+        q_x = torch.where(t.has_probs, own, q_x)
+        before = torch.where(t.has_probs, torch.zeros_like(before), before)
+    # the test's uniform: hash column V + rank, past the columns of the row's own draw
+    u = uniform_at(seeds[t.req], row_pos[t.parent_row], target.shape[1] + t.rank)
+    sampled = (p_x > 0) & (u * q_x * (1.0 - before).clamp_min(0.0) < p_x)
+    return torch.where(exact[t.req], match, sampled)
+
+
+def _walk(passed: torch.Tensor, t: FlatTrees, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From each root, follow the first passing child of each row: -> (path [B, D] node indices
+    padded with -1, leaf row [B])."""
+    key = torch.where(passed, t.rank, torch.full_like(t.rank, t.max_width))
+    first = torch.full((num_rows,), t.max_width, dtype=torch.int64, device=key.device)
+    first = first.scatter_reduce(0, t.parent_row, key, reduce="amin")
+    chosen = passed & (t.rank == first[t.parent_row])
+    nodes = torch.arange(len(t.token), device=key.device)
+    next_node = torch.full((num_rows,), -1, dtype=torch.int64, device=key.device)
+    next_node[t.parent_row[chosen]] = nodes[chosen]
+    cur, steps = t.root_row, []
+    for _ in range(t.max_depth):
+        nxt = next_node[cur]
+        steps.append(nxt)
+        cur = torch.where(nxt >= 0, t.row[nxt.clamp(min=0)], cur)
+    return torch.stack(steps, dim=1), cur
+
+
+def _draw_final(target, leaf, seeds, row_pos, t: FlatTrees, vocab: int) -> torch.Tensor:
+    """Sampled requests' recovered or bonus token at their leaf rows: [B] int64."""
+    p = target[leaf].double()  # [B, V]
+    resid = p.clone()
+    if t.token.numel():  # the leaf's children were all rejected: take them out of p
+        kids = t.parent_row == leaf[t.req]
+        one_hot = kids if t.has_probs is None else kids & ~t.has_probs
+        resid[t.req[one_hot], t.token[one_hot]] = 0.0
+        if t.probs is not None:
+            q_kids = kids & t.has_probs  # at most one per leaf (only children)
+            q = torch.zeros_like(p).index_add_(0, t.req[q_kids], t.probs[q_kids].double())
+            has_q = torch.zeros(len(leaf), dtype=torch.bool, device=p.device)
+            has_q[t.req[q_kids]] = True
+            resid = torch.where(has_q[:, None], (p - q).clamp_min(0.0), resid)
+    noise = exponential_noise(seeds, row_pos[leaf], vocab)
+    score = resid / noise
+    drawn = score.argmax(-1)
+    return torch.where(score.amax(-1) > 0, drawn, (p / noise).argmax(-1))

@@ -1,0 +1,191 @@
+"""The measured cost of a decode step on the machine the engine runs on.
+
+`StepCostModel` predicts the seconds of a decode-only target step from its batch size B (the
+requests) and its rows R (B plus every draft node verified):
+
+    t(B, R) = rows(R) + base(B)
+
+  * rows(R): computing R token rows (weights read once per step, GEMMs whose cost grows with
+    R in a way that depends on the CPU or GPU: nearly flat where a GEMM over 8 rows costs what
+    one row costs, linear where it costs 8 times as much). Measured at engine start on one
+    request of R new tokens (`measure`), refined by every live step with drafts.
+  * base(B): what B requests cost beyond their rows (attention over their contexts, metadata);
+    base(1) = 0. Learned from live plain steps as t - rows(B), with a prior from plain steps
+    of a few requests measured at start.
+
+`Curve` is the table behind both, and behind drafting costs (seconds of a proposer's call by
+the number of requests it drafts for): non-decreasing, linear between measured points, the
+last slope past the largest. Live samples enter as exponential moving averages, so the model
+follows the machine as it heats up, shares its cores or changes contexts.
+
+Nothing here is a constant true of one CPU: every number comes from a measurement.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("specserve.spec_decode")
+
+CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+CALIBRATION_CONTEXT = 128
+_CALIBRATED: dict[tuple, "StepCostModel"] = {}  # per process: engines of one model share it
+
+
+class Curve:
+    """A non-decreasing function of a positive count, piecewise linear between points."""
+
+    def __init__(self, points: dict[int, float] | None = None, weight: float = 0.2) -> None:
+        self.x: list[int] = []
+        self.y: list[float] = []
+        self.weight = weight
+        for x, y in sorted((points or {}).items()):
+            self._set(x, y)
+
+    def __bool__(self) -> bool:
+        return bool(self.x)
+
+    def __call__(self, x: float) -> float:
+        if not self.x:
+            return 0.0
+        i = bisect.bisect_left(self.x, x)
+        if i < len(self.x) and self.x[i] == x:
+            return self.y[i]
+        if i == 0:
+            return self.y[0] * x / self.x[0]  # through the origin below the first point
+        if i == len(self.x):  # past the last point: its slope
+            if len(self.x) == 1:
+                return self.y[0] * x / self.x[0]
+            slope = (self.y[-1] - self.y[-2]) / (self.x[-1] - self.x[-2])
+            return self.y[-1] + max(0.0, slope) * (x - self.x[-1])
+        x0, x1, y0, y1 = self.x[i - 1], self.x[i], self.y[i - 1], self.y[i]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def update(self, x: int, value: float) -> None:
+        """Blend a measurement at x into the curve (a new point starts from the prediction)."""
+        value = max(0.0, min(value, 3 * self(x) if self else value))  # a stall is not the machine
+        self._set(x, value if not self else (1 - self.weight) * self(x) + self.weight * value)
+
+    def many(self, xs: np.ndarray) -> np.ndarray:
+        """The curve at every x of an array (vectorised __call__ for x >= the first point)."""
+        x, y = np.asarray(self.x, dtype=np.float64), np.asarray(self.y, dtype=np.float64)
+        out = np.interp(xs, x, y)
+        if len(x) > 1:
+            slope = max(0.0, (y[-1] - y[-2]) / (x[-1] - x[-2]))
+            out = np.where(xs > x[-1], y[-1] + slope * (xs - x[-1]), out)
+        return out
+
+    def _set(self, x: int, y: float) -> None:
+        i = bisect.bisect_left(self.x, x)
+        if i < len(self.x) and self.x[i] == x:
+            self.y[i] = y
+        else:
+            self.x.insert(i, x)
+            self.y.insert(i, y)
+        for j in range(i + 1, len(self.y)):  # keep it non-decreasing around the new value
+            self.y[j] = max(self.y[j], y)
+        for j in range(i):
+            self.y[j] = min(self.y[j], y)
+
+
+class StepCostModel:
+    def __init__(self, rows: dict[int, float], per_request: float = 0.0) -> None:
+        """rows: seconds of a step of one request computing R rows, by R; per_request: the
+        prior extra seconds of each further request in a plain step."""
+        self.rows = Curve(rows)
+        self.per_request = max(0.0, per_request)
+        self._base: dict[int, float] = {1: 0.0}
+
+    def base(self, batch: int) -> float:
+        return self._base.get(batch, self.per_request * (batch - 1))
+
+    def step_time(self, batch: int, rows: int) -> float:
+        """Predicted seconds of a decode step of `batch` requests verifying rows - batch drafts."""
+        return self.rows(rows) + self.base(batch)
+
+    def observe(self, batch: int, rows: int, seconds: float) -> None:
+        """A live decode-only step (every request computes one committed token plus drafts)."""
+        if rows <= batch:
+            if batch > 1:
+                old = self.base(batch)
+                self._base[batch] = 0.8 * old + 0.2 * (seconds - self.rows(rows))
+            else:
+                self.rows.update(1, seconds)
+        else:
+            self.rows.update(rows, seconds - self.base(batch))
+
+    def row_price(self, batch: int, rows: int) -> float:
+        """Seconds per row of adding `rows` draft rows to a plain step of `batch` requests."""
+        return (self.step_time(batch, batch + rows) - self.step_time(batch, batch)) / max(1, rows)
+
+    # -- measurement at start -------------------------------------------------------------------
+    @staticmethod
+    def measure(runner, kv, max_rows: int) -> "StepCostModel":
+        """Time target forwards of 1 .. max_rows rows (one request) and of plain steps of 4 and
+        16 requests, each the median of 3 after a warm-up. A few seconds; cached per process."""
+        key = (repr(runner.arch), str(runner.dtype), str(runner.device), torch.get_num_threads(),
+               runner.block_size)
+        if key in _CALIBRATED:
+            cached = _CALIBRATED[key]
+            return StepCostModel(dict(zip(cached.rows.x, cached.rows.y)), cached.per_request)
+        sizes = [r for r in CALIBRATION_ROWS if r <= max_rows]
+        start = time.perf_counter()
+        print(f"[specserve] measuring step costs on {runner.device} (rows {sizes[0]}..{sizes[-1]}) ...",
+              end="", flush=True)
+        rows = {r: t for r in sizes if (t := _time_step(runner, kv, 1, r)) is not None}
+        plain = {b: t for b in (4, 16) if (t := _time_step(runner, kv, b, 1)) is not None}
+        if not rows:
+            raise ValueError("speculative_config: the KV cache is too small to measure a step")
+        model = StepCostModel(rows)
+        extra = [(t - model.rows(b)) / (b - 1) for b, t in plain.items()]
+        model.per_request = max(0.0, sum(extra) / len(extra)) if extra else 0.0
+        most = max(rows)
+        print(f" done in {time.perf_counter() - start:.1f} s: one row {1e3 * rows[1]:.1f} ms, "
+              f"{most} rows {1e3 * rows[most]:.1f} ms, "
+              f"+{1e3 * model.per_request:.2f} ms per request", flush=True)
+        _CALIBRATED[key] = model
+        return StepCostModel(rows, model.per_request)
+
+
+def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 3) -> float | None:
+    """Median seconds of a target step of `num_requests` requests, each computing `rows_each`
+    rows after CALIBRATION_CONTEXT tokens (the KV cache holds whatever it holds: only time is
+    read); None when the cache cannot hold them."""
+    from specserve.request import Request, SamplingParams
+    from specserve.scheduler.scheduler import SchedulerOutput
+
+    room = kv.num_free_blocks * kv.block_size // max(1, num_requests) - kv.block_size
+    ctx = min(CALIBRATION_CONTEXT, room - rows_each)  # a small cache: shorter contexts
+    reqs = []
+    for i in range(num_requests):
+        req = Request(f"calibration-{i}", [1] * (ctx + rows_each), SamplingParams(), set(), 0)
+        if not kv.can_allocate(req, ctx + rows_each):
+            break
+        kv.allocate(req, ctx + rows_each)
+        req.num_computed_tokens = ctx
+        reqs.append(req)
+    try:
+        if len(reqs) < num_requests or ctx < 0:
+            return None
+        sched = SchedulerOutput(reqs, [rows_each] * len(reqs), [0] * len(reqs))
+        times = []
+        for _ in range(reps + 1):
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            runner.execute(sched)
+            _sync(runner.device)
+            times.append(time.perf_counter() - t0)
+        return sorted(times[1:])[reps // 2]
+    finally:
+        for req in reqs:
+            kv.free(req)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,347 @@
+"""SpecDecoder: the speculative half of Engine.step(), one path for every method.
+
+Every engine has one, speculating or not. Per step:
+  * `tree_parents(sched)`: each request's verify rows as a tree for the target forward (its last
+    committed token as root, then the drafts the scheduler kept, a prefix of its tree), None
+    for chains (causal attention gives the same rows);
+  * `sample_and_verify(sched, step)`: all rows of the step, of every request, in one batched
+    call of specserve.sampling.verify_trees (a request without drafts is a tree without nodes:
+    plain sampling); the accepted paths' KV is moved into place with one compaction per layer;
+    the proposer sees the target features of the newly committed tokens; the policy learns
+    from what was accepted;
+  * `propose(running)`: drafts for the next step. A proposer with a cost per request (an EAGLE
+    or Medusa head, a draft model) drafts where the policy says it pays; prompt lookup (method
+    ngram, and the chain grafted onto every tree of the tree methods) drafts for every
+    request, which costs next to nothing; then the policy keeps, over the whole batch, the
+    nodes worth their rows (specserve.spec_decode.policy).
+Per-request state lives in one place, `self.states`, created at a request's first step and
+dropped by `free` (the engine calls it when a request finishes; a preempted one is reset).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import numpy as np
+import torch
+
+from specserve.config import SpecConfig
+from specserve.model.runner import StepLogits
+from specserve.request import Request, TokenLogprob
+from specserve.sampling import (FlatTrees, SamplingBatch, TokenCounts, apply_penalties, gather_logprobs,
+                                processed_probs, row_counts, verify_trees)
+from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, Proposer
+from specserve.spec_decode.ngram import NgramProposer
+from specserve.spec_decode.policy import PROBE_FIRST, PROBE_MAX, RequestState, SpecPolicy
+
+StepResult = tuple[list[int], list[TokenLogprob] | None] | None
+logger = logging.getLogger("specserve.spec_decode")
+
+
+class SpecDecoder:
+    log_interval = 5.0  # seconds between acceptance log lines
+
+    def __init__(self, config: SpecConfig, runner, kv, stats, max_model_len: int, max_num_batched_tokens: int,
+                 proposer: Proposer | None = None, lookup: NgramProposer | None = None,
+                 policy: SpecPolicy | None = None, max_drafts: int = 0) -> None:
+        self.config = config
+        self.runner, self.kv, self.stats = runner, kv, stats
+        self.vocab_size = runner.arch.vocab_size
+        self.max_model_len = max_model_len
+        self.max_rows = max_num_batched_tokens
+        self.proposer, self.lookup = proposer, lookup
+        self.policy = policy or SpecPolicy(None, 1, adaptive=False)
+        self.max_drafts = max_drafts if (proposer or lookup) else 0
+        self.states: dict[str, RequestState] = {}
+        self._num_drafted = 1  # requests the proposer drafted for last step (its cost share)
+        self._last_log, self._last_stats = time.monotonic(), None
+
+    @property
+    def speculating(self) -> bool:
+        return self.max_drafts > 0
+
+    def _state(self, req: Request) -> RequestState:
+        state = self.states.get(req.request_id)
+        if state is None:
+            state = self.states[req.request_id] = self.policy.new_state()
+        return state
+
+    def free(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.free(request_id)
+        if self.lookup is not None:
+            self.lookup.free(request_id)
+
+    def reset(self, req: Request) -> None:
+        """A preempted request: its drafts and the proposer's caches are gone."""
+        state = self.states.get(req.request_id)
+        if state is not None:
+            state.tree, state.chain_nodes = None, []
+        if self.proposer is not None:
+            self.proposer.free(req.request_id)
+
+    def observe_forward(self, sched: SchedulerOutput, seconds: float) -> None:
+        """The target forward's time: decode-only steps teach the cost model."""
+        if self.policy.adaptive and sched.decode_only:
+            self.policy.cost.observe(len(sched), sched.total_tokens, seconds)
+
+    def _scheduled(self, req: Request, k: int) -> DraftTree:
+        tree = self.states[req.request_id].tree if k else None
+        return tree.select(range(k)) if tree is not None else DraftTree([], [])
+
+    def tree_parents(self, sched: SchedulerOutput) -> list[list[int] | None] | None:
+        out = []
+        for req, k in zip(sched.requests, sched.num_drafts):
+            tree = self._scheduled(req, k)
+            out.append(None if tree.is_chain else [-1] + [p + 1 for p in tree.parents])
+        return out if any(p is not None for p in out) else None
+
+    # -- sampling and verification ---------------------------------------------------------------
+    def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:
+        live = [i for i, s in enumerate(step.row_start) if s >= 0]
+        reqs = [sched.requests[i] for i in live]
+        trees = [self._scheduled(r, sched.num_drafts[i]) for r, i in zip(reqs, live)]
+        results: list[StepResult] = [None] * len(sched.requests)
+        verdict = None
+        if reqs:
+            target, exact, seeds, row_pos, all_exact, coupled = self._target(step.logits, reqs, trees)
+            flat = FlatTrees.build([step.row_start[i] for i in live],
+                                   [(t.tokens, t.parents, t.probs) for t in trees], self.vocab_size,
+                                   step.logits.device)
+            verdict = verify_trees(target, exact, seeds, row_pos, flat, all_exact, coupled)
+            self._compact(sched, live, verdict.accepted)
+            for j, (req, tree, i) in enumerate(zip(reqs, trees, live)):
+                path = verdict.accepted[j]
+                tokens = [tree.tokens[n] for n in path] + [verdict.final[j]]
+                results[i] = (tokens, None)
+                self._learn(req, tree, path)
+            self._logprobs(reqs, live, trees, verdict.accepted, step, results)
+        if self.proposer is not None and self.proposer.needs_hidden:
+            self._show_features(sched, step, live, verdict.accepted if verdict else [])
+        return results
+
+    def _target(self, logits: torch.Tensor, reqs: list[Request], trees: list[DraftTree]):
+        """The verify target per row (greedy: penalised logits; sampled: probabilities) and what
+        verify_trees needs beside it: (target, exact [B], seeds [B], row positions [R], all
+        exact, coupled rows and their seeds or None)."""
+        device = logits.device
+        params, seeds, positions, counts, extra, coupled = [], [], [], [], [], []
+        penalties = any(r.params.has_penalties for r in reqs)
+        for req, tree in zip(reqs, trees):
+            state = self._state(req)
+            if penalties and state.counts is None:
+                state.counts = TokenCounts(req.prompt_token_ids, self.vocab_size, device)
+            ancestors: list[list[int]] = [[]]
+            for p, tok in zip(tree.parents, tree.tokens):
+                ancestors.append(ancestors[p + 1] + [tok])
+            seeded = req.params.seed is not None and not req.params.greedy
+            for anc in ancestors:
+                if seeded:
+                    coupled.append(len(positions))
+                params.append(req.params)
+                seeds.append(req.sampling_seed)
+                positions.append(req.num_tokens + len(anc))
+                if penalties:
+                    counts.append(state.counts.sync(req.all_token_ids))
+                    extra.append(anc)
+        exact_l = [r.params.greedy or r.params.seed is not None for r in reqs]
+        row_pos = torch.tensor(positions, dtype=torch.int64, device=device)
+        exact = torch.tensor(exact_l, dtype=torch.bool, device=device)
+        req_seeds = torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64, device=device)
+        coupled_rows = None
+        if coupled:
+            coupled_rows = (torch.tensor(coupled, dtype=torch.int64, device=device),
+                            torch.tensor([seeds[i] for i in coupled], dtype=torch.int64, device=device))
+        if all(r.params.greedy for r in reqs) and not penalties:
+            return logits, exact, req_seeds, row_pos, True, None
+        batch = SamplingBatch.build(params, seeds, positions, self.vocab_size, device,
+                                    row_counts(counts, extra) if penalties else None)
+        target = apply_penalties(logits, batch)
+        if not batch.all_greedy:
+            target = torch.where(batch.greedy[:, None], target, processed_probs(logits, batch))
+        return target, exact, req_seeds, row_pos, all(exact_l), coupled_rows
+
+    def _compact(self, sched: SchedulerOutput, live: list[int], accepted: list[list[int]]) -> None:
+        """Move every accepted path's KV next to its root (one call per layer for the step)."""
+        bs, src, dst = self.kv.block_size, [], []
+        for i, path in zip(live, accepted):
+            req = sched.requests[i]
+            root = req.num_computed_tokens + sched.num_tokens[i] - sched.num_drafts[i] - 1
+            for j, node in enumerate(path):
+                s, d = root + node + 1, root + j + 1
+                if s != d:
+                    src.append(req.block_ids[s // bs] * bs + s % bs)
+                    dst.append(req.block_ids[d // bs] * bs + d % bs)
+        if src:
+            from specserve.kernels import compact_kv
+
+            device = self.runner.device
+            src_t = torch.tensor(src, dtype=torch.int64, device=device)
+            dst_t = torch.tensor(dst, dtype=torch.int64, device=device)
+            for k_cache, v_cache in self.runner.kv_caches:
+                compact_kv(k_cache, v_cache, src_t, dst_t)
+
+    def _learn(self, req: Request, tree: DraftTree, path: list[int]) -> None:
+        state = self._state(req)
+        if state.drafted and not len(tree):  # drafted, but none of it was worth verifying
+            self.policy.observe_unused(state)
+        if len(tree):
+            self._count(req, len(tree), len(path))
+            chain = [n for n in state.chain_nodes if n < len(tree)]
+            self.policy.observe(state, tree, path, chain)
+            state.unverified = 0
+            state.probe_every = PROBE_FIRST if path else min(PROBE_MAX, 2 * state.probe_every)
+        state.tree, state.chain_nodes, state.drafted = None, [], False
+
+    def _count(self, req: Request, k: int, accepted: int) -> None:
+        stats = self.stats
+        req.num_draft_tokens += k
+        req.num_accepted_tokens += accepted
+        stats.spec_num_drafts += 1
+        stats.spec_num_draft_tokens += k
+        stats.spec_num_accepted_tokens += accepted
+        while len(stats.spec_accepted_per_pos) < accepted:
+            stats.spec_accepted_per_pos.append(0)
+        for j in range(accepted):
+            stats.spec_accepted_per_pos[j] += 1
+
+    def _logprobs(self, reqs, live, trees, accepted, step: StepLogits, results) -> None:
+        want = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not want:
+            return
+        rows, ids, top = [], [], []
+        for j in want:
+            start, tokens = step.row_start[live[j]], results[live[j]][0]
+            rows += [start] + [start + 1 + n for n in accepted[j]]
+            ids += tokens
+            top += [reqs[j].params.logprobs] * len(tokens)
+        device = step.logits.device
+        lps = gather_logprobs(step.logits[torch.tensor(rows, device=device)],
+                              torch.tensor(ids, dtype=torch.int64, device=device), top)
+        at = 0
+        for j in want:
+            tokens = results[live[j]][0]
+            results[live[j]] = (tokens, lps[at:at + len(tokens)])
+            at += len(tokens)
+
+    def _show_features(self, sched, step: StepLogits, live: list[int], accepted: list[list[int]]) -> None:
+        """The target features of every newly computed committed token: prefill chunks, roots
+        and accepted paths."""
+        paths = dict(zip(live, accepted))
+        index, ids, starts, sizes, off = [], [], [], [], 0
+        for i, (req, n, k) in enumerate(zip(sched.requests, sched.num_tokens, sched.num_drafts)):
+            committed = list(range(off, off + n - k)) + [off + n - k + node for node in paths.get(i, [])]
+            if i not in paths:  # mid-prefill: every token is committed
+                committed = list(range(off, off + n))
+            index += committed
+            ids.append(req.request_id)
+            starts.append(req.num_computed_tokens)
+            sizes.append(len(committed))
+            off += n
+        hidden = step.all_hidden.index_select(0, torch.tensor(index, device=step.all_hidden.device))
+        self.proposer.observe(ids, starts, list(hidden.split(sizes)))
+
+    # -- drafting --------------------------------------------------------------------------------
+    def propose(self, running: list[Request]) -> None:
+        if not self.speculating:
+            return
+        batch = len(running)
+        eligible = []
+        for req in running:
+            room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            if req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1 and room >= 1:
+                eligible.append((req, room))
+        if not eligible:
+            return
+        states = [self._state(r) for r, _ in eligible]
+        trees: list[DraftTree | None] = [None] * len(eligible)
+        probes = [False] * len(eligible)
+        if self.proposer is not None:
+            trees, probes = self._draft(eligible, states, batch)
+        if self.lookup is not None:
+            chains = self.lookup.lookup([r.request_id for r, _ in eligible], [r.all_token_ids for r, _ in eligible],
+                                    [min(self.lookup.k, room) for _, room in eligible])
+            for j, chain in enumerate(chains):
+                if chain:
+                    trees[j], states[j].chain_nodes = (trees[j] or DraftTree([], [])).graft(chain)
+        self._select(eligible, states, trees, probes, batch)
+        self._maybe_log()
+
+    def _draft(self, eligible, states, batch: int) -> tuple[list[DraftTree | None], list[bool]]:
+        """The per-request proposer, for the requests where it pays (and probes)."""
+        chosen = [j for j, s in enumerate(states) if self.policy.draft_pays(s, batch, self._num_drafted)]
+        probes = [not states[j].gate.on and j in chosen for j in range(len(eligible))]
+        trees: list[DraftTree | None] = [None] * len(eligible)
+        if self.proposer.name == "draft_model":  # its KV goes to the slots of the next verify step
+            chosen = [j for j in chosen if self._reserve(*eligible[j])]
+        self._num_drafted = max(1, len(chosen))
+        if not chosen:
+            return trees, probes
+        reqs = [eligible[j][0] for j in chosen]
+        batch_in = ProposeBatch(
+            [r.request_id for r in reqs], [r.all_token_ids for r in reqs],
+            [min(self.max_drafts, eligible[j][1]) for j in chosen], self._min_score(batch),
+            [r.params for r in reqs], [r.sampling_seed for r in reqs], [r.block_ids for r in reqs],
+            [r.num_computed_tokens for r in reqs])
+        start = time.perf_counter()
+        drafted = self.proposer.propose(batch_in)
+        if self.policy.adaptive:
+            self.policy.draft_cost.update(len(chosen), time.perf_counter() - start)
+        for j, tree in zip(chosen, drafted):
+            trees[j] = tree
+            states[j].drafted = True
+        return trees, probes
+
+    def _min_score(self, batch: int) -> float:
+        user = self.config.extra.get("min_draft_prob")
+        if user is not None:
+            return float(np.log(user)) if user > 0 else -np.inf
+        return self.policy.min_score(batch)
+
+    def _reserve(self, req: Request, room: int) -> bool:
+        k = min(self.max_drafts, room)
+        if not self.kv.can_allocate(req, 1 + k):
+            return False
+        self.kv.allocate(req, 1 + k)
+        return True
+
+    def _select(self, eligible, states, trees, probes, batch: int) -> None:
+        cands, values, probe, where = [], [], [], []
+        for j, ((req, room), state, tree) in enumerate(zip(eligible, states, trees)):
+            if tree is None or not len(tree):
+                state.tree, state.chain_nodes = None, []
+                continue
+            state.unverified += 1
+            cands.append(tree)
+            values.append(self.policy.values(state, tree))
+            probe.append(probes[j] or state.unverified >= state.probe_every)
+            where.append(j)
+        keep = self.policy.select(batch, cands, values, probe, self.max_rows)
+        for j, tree, nodes in zip(where, cands, keep):
+            req, room = eligible[j]
+            state = states[j]
+            nodes = nodes[:room]  # parents first: a prefix is still a tree
+            if not nodes:
+                state.tree, state.chain_nodes = None, []
+                continue
+            index = {old: new for new, old in enumerate(nodes)}
+            state.chain_nodes = [index[n] for n in state.chain_nodes if n in index]
+            state.tree = tree.select(nodes)
+            req.spec_token_ids = list(state.tree.tokens)
+
+    def _maybe_log(self) -> None:
+        """Mean acceptance length and per-position rates since the last line, every
+        `log_interval` seconds while drafting."""
+        now = time.monotonic()
+        prev = self._last_stats
+        if now - self._last_log < self.log_interval or \
+                self.stats.spec_num_drafts == (prev.spec_num_drafts if prev else 0):
+            return
+        from specserve.metrics import format_spec_log
+
+        logger.info(format_spec_log(self.stats, prev))
+        self._last_log, self._last_stats = now, copy.deepcopy(self.stats)

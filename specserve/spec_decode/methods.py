@@ -1,0 +1,153 @@
+"""Speculative methods: configuration checks, the default method, and the decoder's parts.
+
+`validate(config)` rejects bad values when the engine starts (unknown method, k < 1, lookup
+bounds out of order, a key the method would ignore); `resolve(config, model)` turns the
+default method "auto" into a real one; `kv_bytes_per_block` tells the engine how much KV
+memory the method adds per block (a draft model's own cache) before any cache is allocated;
+`make_decoder` builds the SpecDecoder with its proposer, its prompt lookup and its policy:
+
+    ngram        prompt lookup alone (specserve.spec_decode.ngram)
+    draft_model  specserve.spec_decode.draft_model.DraftModelProposer
+    eagle        specserve.spec_decode.eagle.EagleProposer, plus a grafted lookup chain
+    medusa       specserve.spec_decode.medusa.MedusaProposer, plus a grafted lookup chain
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from specserve.config import DEFAULT_DRAFTS, DEFAULT_MODEL, SpecConfig
+
+logger = logging.getLogger("specserve.spec_decode")
+
+CHAIN_METHODS = ("ngram", "draft_model")
+TREE_METHODS = ("eagle", "medusa")
+METHODS = CHAIN_METHODS + TREE_METHODS
+# keys of our own, beside vLLM's: "adaptive" (bool), "lookup_branch" (int >= 0; tree methods),
+# "min_draft_prob" (eagle, 0 <= p < 1: a fixed cut instead of the cost model's), "medusa_tree";
+# vLLM's "quantization" names the draft head's weights (tree methods: "auto" | "int8" | "none")
+OWN_KEYS = {"adaptive", "medusa_tree", "lookup_branch", "min_draft_prob", "quantization"}
+KEY_METHODS = {"lookup_branch": TREE_METHODS, "min_draft_prob": ("eagle",), "medusa_tree": ("medusa",),
+               "quantization": TREE_METHODS}
+LOOKUP_BRANCH = 4  # default lookup chain grafted onto trees; chains of up to 4x this are drafted
+
+
+def resolve(config: SpecConfig, model: str) -> SpecConfig:
+    """"auto": EAGLE with the shipped head on the default model, prompt lookup elsewhere."""
+    if config.method != "auto":
+        return config
+    from specserve.model.loader import canonical_alias
+
+    method = "eagle" if canonical_alias(model) == DEFAULT_MODEL and config.model is None else "ngram"
+    k = config.num_speculative_tokens or DEFAULT_DRAFTS[method]
+    return replace(config, method=method, num_speculative_tokens=k)
+
+
+def _int_at_least(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def validate(config: SpecConfig) -> None:
+    if config.method not in METHODS:
+        raise ValueError(f"speculative_config.method: unknown method {config.method!r}; "
+                         f"expected one of auto, {', '.join(METHODS)}")
+    if not _int_at_least(config.num_speculative_tokens, 1):
+        raise ValueError("speculative_config.num_speculative_tokens: must be an integer >= 1, "
+                         f"got {config.num_speculative_tokens!r}")
+    if config.method != "draft_model":
+        lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
+        if not _int_at_least(lo, 1) or not _int_at_least(hi, lo):
+            raise ValueError("speculative_config.prompt_lookup_min/max: need integers with "
+                             f"1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r}, {hi!r}")
+    if config.method == "draft_model" and not config.model:
+        raise ValueError("speculative_config.model: method 'draft_model' needs a draft model "
+                         "(a model directory, a .gguf file or an alias)")
+    for key in ("depth", "topk"):
+        value = getattr(config, key)
+        if value is not None and not _int_at_least(value, 1):
+            raise ValueError(f"speculative_config.{key}: must be an integer >= 1, got {value!r}")
+    for key, methods in KEY_METHODS.items():  # a key the method would ignore is a mistake
+        if key in config.extra and config.method not in methods:
+            raise ValueError(f"speculative_config.{key}: applies to method {' or '.join(methods)}, "
+                             f"not {config.method!r}")
+    if not _int_at_least(config.extra.get("lookup_branch", 0), 0):
+        raise ValueError("speculative_config.lookup_branch: must be an integer >= 0, "
+                         f"got {config.extra['lookup_branch']!r}")
+    min_prob = config.extra.get("min_draft_prob", 0.0)
+    if not isinstance(min_prob, (int, float)) or isinstance(min_prob, bool) or not 0 <= min_prob < 1:
+        raise ValueError(f"speculative_config.min_draft_prob: must be a number in [0, 1), got {min_prob!r}")
+    if not isinstance(config.extra.get("adaptive", True), bool):
+        raise ValueError("speculative_config.adaptive: must be true or false")
+    unknown = sorted(set(config.extra) - OWN_KEYS)
+    if unknown:  # vLLM has many more keys; accept them so configs carry over
+        logger.warning("speculative_config: ignoring keys %s", ", ".join(unknown))
+
+
+def kv_bytes_per_block(config: SpecConfig, target_arch, block_size: int, dtype) -> int:
+    """Extra KV bytes per block the method needs beside the target's (a draft model's cache)."""
+    if config.method != "draft_model":
+        return 0
+    from specserve.spec_decode.draft_model import draft_arch, kv_bytes_per_block as per_block
+
+    return per_block(draft_arch(config.model, target_arch)[1], block_size, dtype)
+
+
+def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_len: int,
+                 scheduler_config):
+    """The SpecDecoder of an engine; `config` resolved and validated (or method None)."""
+    from specserve.spec_decode.decoder import SpecDecoder
+
+    if config.method is None:
+        return SpecDecoder(config, runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens)
+    from specserve.spec_decode.cost_model import StepCostModel
+    from specserve.spec_decode.ngram import NgramProposer
+    from specserve.spec_decode.policy import SpecPolicy
+
+    k = config.num_speculative_tokens
+    proposer, lookup, chain = None, None, 0
+    if config.method == "ngram":
+        chain = k
+    elif config.method == "draft_model":
+        from specserve.spec_decode.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(config.model, runner, model_config, max_model_len,
+                                      scheduler_config.max_num_batched_tokens)
+    else:
+        proposer = _tree_proposer(config, runner, model_config.model, max_model_len)
+        chain = 4 * config.extra.get("lookup_branch", LOOKUP_BRANCH)
+    if chain:
+        lookup = NgramProposer(chain, config.prompt_lookup_min, config.prompt_lookup_max)
+    adaptive = config.extra.get("adaptive", True)
+    max_drafts = (k if proposer is not None else 0) + chain
+    cost = None
+    if adaptive:
+        rows = min(scheduler_config.max_num_batched_tokens, 64)
+        cost = StepCostModel.measure(runner, kv, rows)
+    policy = SpecPolicy(cost, max(chain, k, 1), adaptive)
+    return SpecDecoder(config, runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens,
+                       proposer, lookup, policy, max_drafts)
+
+
+def _tree_proposer(config: SpecConfig, runner, model_name: str, max_model_len: int):
+    from specserve.spec_decode.quant import check_quantization
+
+    model = runner.model
+    weight = model.lm_head.weight
+    quantize = check_quantization(config.extra.get("quantization"), weight.device, model.arch.hidden_size,
+                                  model.arch.intermediate_size, weight.dtype)
+    if config.method == "eagle":
+        from specserve.model.loader import canonical_alias
+        from specserve.spec_decode.eagle import EagleProposer
+
+        if config.model is None and canonical_alias(model_name) != DEFAULT_MODEL:
+            raise ValueError("speculative_config.model: the shipped EAGLE head is for the default "
+                             "model; name a head trained for this target")
+        return EagleProposer(model, config.model, config.num_speculative_tokens, config.depth, config.topk,
+                             max_positions=max_model_len + 64, quantize=quantize)
+    from specserve.spec_decode.medusa import MedusaProposer
+
+    if config.model is None:
+        raise ValueError("speculative_config.model: method 'medusa' needs a heads directory")
+    return MedusaProposer(model, config.model, config.num_speculative_tokens, config.extra.get("medusa_tree"),
+                          quantize=quantize)

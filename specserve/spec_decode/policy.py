@@ -1,0 +1,213 @@
+"""How much to draft and verify, from measured costs and measured acceptance.
+
+The one draft-budget policy of every method. Its unit is the throughput of the next step:
+a plain step of B requests emits B tokens in t(B, B) seconds (StepCostModel); verifying n
+draft nodes emits B + (expected accepted nodes) tokens in t(B, B + n) seconds. Decisions:
+
+  * Node values. v(node) = P(the node ends on the accepted path). Scored nodes (a head's or
+    draft model's path probability) read it from `ScoreCalibration`, learned from every
+    verified scored node; lookup nodes from `DepthAcceptance`, the request's own acceptance
+    rate at each depth (shrunk towards the decoder-wide rate there). A child's value never
+    exceeds its parent's, so the nodes of highest value always form trees.
+  * Selection (`select`): all candidate nodes of the batch, highest value first; the count n
+    maximising (B + sum of the first n values) / t(B, B + n) is verified, none unless that beats
+    the plain rate by `MARGIN`. So rows that cost nearly nothing get long drafts, rows that
+    cost what a token costs get none, and at high concurrency a verify row competes with every
+    other request's rows. The sweep handles cost curves of any shape (a costly first row and
+    cheap later ones, say).
+  * Drafting (`draft_pays`): a proposer that costs time per request (a head, a draft model)
+    runs for a request only while its expected accepted tokens per step pay for its share of
+    the drafting time plus its rows at the current price; otherwise the request is gated off
+    and probed again after `probe` steps (doubling while probes fail).
+  * Expansion threshold (`min_score`): tree nodes whose calibrated value cannot pay even the
+    cheapest row at this batch size are neither expanded nor returned.
+With "adaptive": false every decision is off: the proposer drafts its maximum and all of it is
+verified.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specserve.spec_decode.cost_model import Curve, StepCostModel
+from specserve.spec_decode.draft_tree import DraftTree
+
+MARGIN = 0.03  # speculate only when the predicted step rate beats plain by this much
+PROBE_FIRST, PROBE_MAX = 8, 128  # steps between probes of a gated-off request (doubling)
+SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0001])
+
+
+class DepthAcceptance:
+    """P(lookup node at depth d accepted | its parent accepted): counts by depth, decayed."""
+
+    def __init__(self, depth: int, decay: float, prior: tuple[float, float] = (1.0, 2.0)) -> None:
+        self.accepted = np.full(depth, prior[0])
+        self.tried = np.full(depth, prior[1])
+        self.decay = decay
+
+    def rates(self) -> np.ndarray:
+        return self.accepted / self.tried
+
+    def observe(self, depth: int, accepted: bool) -> None:
+        if depth <= len(self.tried):
+            self.accepted[depth - 1] = self.accepted[depth - 1] * self.decay + accepted
+            self.tried[depth - 1] = self.tried[depth - 1] * self.decay + 1
+
+
+class ScoreCalibration:
+    """P(scored node on the accepted path) by its draft path probability, in bins."""
+
+    def __init__(self, decay: float = 0.998) -> None:
+        centers = (SCORE_BINS[:-1] + SCORE_BINS[1:]) / 2
+        self.accepted, self.tried = centers * 2, np.full(len(centers), 2.0)
+        self.decay = decay
+
+    def values(self, scores: np.ndarray) -> np.ndarray:
+        rate = np.maximum.accumulate(self.accepted / self.tried)  # never less for a likelier node
+        return rate[np.clip(np.searchsorted(SCORE_BINS, np.exp(scores), "right") - 1, 0, len(rate) - 1)]
+
+    def observe(self, score: float, accepted: bool) -> None:
+        b = min(max(int(np.searchsorted(SCORE_BINS, math.exp(score), "right")) - 1, 0), len(self.tried) - 1)
+        self.accepted[b] = self.accepted[b] * self.decay + accepted
+        self.tried[b] = self.tried[b] * self.decay + 1
+
+    def min_score(self, value: float) -> float:
+        """The log draft probability from which nodes are worth `value`."""
+        rate = np.maximum.accumulate(self.accepted / self.tried)
+        ok = np.flatnonzero(rate >= value)
+        return math.log(max(SCORE_BINS[ok[0]], 1e-9)) if len(ok) else 0.0
+
+
+@dataclass
+class Gate:
+    """One request's drafting switch for a proposer that costs time per request."""
+
+    gain: float = 1.0  # EMA: accepted drafted tokens per drafting step (optimistic start)
+    rows: float = 2.0  # EMA: verified drafted rows per drafting step
+    on: bool = True
+    idle: int = 0
+    interval: int = PROBE_FIRST
+
+
+@dataclass
+class RequestState:
+    """Everything the decoder keeps for one request between steps."""
+
+    lookup: DepthAcceptance
+    gate: Gate = field(default_factory=Gate)
+    tree: DraftTree | None = None  # the drafts put on the request for its next step
+    chain_nodes: list[int] = field(default_factory=list)  # nodes of `tree` that came from lookup
+    drafted: bool = False  # the per-request proposer ran for it this step
+    counts: object | None = None  # sampling.TokenCounts, for requests with penalties
+    unverified: int = 0  # steps its drafts were not verified since they last were
+    probe_every: int = PROBE_FIRST  # verify its best node anyway after this many such steps
+
+
+class SpecPolicy:
+    def __init__(self, cost: StepCostModel | None, max_depth: int, adaptive: bool = True) -> None:
+        self.cost = cost
+        self.adaptive = adaptive and cost is not None
+        self.max_depth = max_depth
+        self.lookup = DepthAcceptance(max_depth, decay=0.98)  # decoder-wide prior by depth
+        self.scores = ScoreCalibration()
+        self.draft_cost = Curve()  # seconds of a proposer call by requests drafted for
+
+    def new_state(self) -> RequestState:
+        return RequestState(DepthAcceptance(self.max_depth, decay=0.8, prior=(0.0, 0.0)))
+
+    def observe_unused(self, state: RequestState) -> None:
+        """The per-request proposer drafted, but the selection kept none of it: no gain."""
+        state.gate.gain *= 0.7
+
+    # -- prices ----------------------------------------------------------------------------------
+    def plain_rate(self, batch: int) -> float:
+        return batch / self.cost.step_time(batch, batch)
+
+    def min_score(self, batch: int) -> float:
+        """Nodes below this score cannot pay the cheapest row at this batch size."""
+        if not self.adaptive:
+            return -math.inf
+        price = min(self.cost.row_price(batch, n) for n in (1, 2, 4, 8, 16, 32))
+        return self.scores.min_score(self.plain_rate(batch) * price)
+
+    def draft_pays(self, state: RequestState, batch: int, num_drafting: int) -> bool:
+        """Whether the per-request proposer should draft for this request this step."""
+        g = state.gate
+        if not self.adaptive:
+            return True
+        share = self.draft_cost(max(1, num_drafting)) / max(1, num_drafting)
+        rows = max(1.0, g.rows)
+        price = self.cost.row_price(batch, max(1, round(rows * batch)))
+        g.on = g.gain >= self.plain_rate(batch) * (share + rows * price) * (1 + MARGIN)
+        if g.on:
+            g.idle, g.interval = 0, PROBE_FIRST
+            return True
+        g.idle += 1
+        if g.idle >= g.interval:  # probe: its result decides what comes next
+            g.idle, g.interval = 0, min(PROBE_MAX, 2 * g.interval)
+            return True
+        return False
+
+    # -- values and selection --------------------------------------------------------------------
+    def values(self, state: RequestState, tree: DraftTree) -> np.ndarray:
+        """[n] P(node on the accepted path), non-increasing from parent to child."""
+        v = np.zeros(len(tree))
+        if tree.scores is not None:
+            scored = [i for i, s in enumerate(tree.scores) if s is not None]
+            v[scored] = self.scores.values(np.array([tree.scores[i] for i in scored]))
+        if state.chain_nodes:
+            own = state.lookup
+            rates = (own.accepted + 2 * self.lookup.rates()) / (own.tried + 2)
+            path = np.cumprod(rates[:len(state.chain_nodes)])
+            v[state.chain_nodes] = np.maximum(v[state.chain_nodes], path[:len(state.chain_nodes)])
+        for i, p in enumerate(tree.parents):
+            if p >= 0:
+                v[i] = min(v[i], v[p])
+        return v
+
+    def select(self, batch: int, trees: list[DraftTree], values: list[np.ndarray],
+               probes: list[bool], max_rows: int) -> list[list[int]]:
+        """Nodes to verify per tree (parents first), maximising the step's expected rate."""
+        if not self.adaptive:
+            return [list(range(len(t))) for t in trees]
+        nodes = [(-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
+                 for i, d in enumerate(t.depth)]
+        nodes.sort()
+        nodes = nodes[:max(0, max_rows - batch)]
+        keep: list[list[int]] = [[] for _ in trees]
+        if nodes:
+            gained = batch - np.cumsum([n[0] for n in nodes])  # tokens after the first n nodes
+            n_rows = batch + np.arange(1, len(nodes) + 1)
+            rates = gained / (self.cost.rows.many(n_rows) + self.cost.base(batch))
+            best = int(np.argmax(rates))
+            if rates[best] > self.plain_rate(batch) * (1 + MARGIN):
+                for _, _, b, i in nodes[:best + 1]:
+                    keep[b].append(i)
+        for b, probe in enumerate(probes):  # a request that has not verified for long probes
+            if probe and not keep[b] and len(trees[b]):
+                keep[b] = [0]
+        return keep
+
+    # -- learning --------------------------------------------------------------------------------
+    def observe(self, state: RequestState, tree: DraftTree, path: list[int], chain_nodes: list[int]) -> None:
+        """A verify result: `path` are the accepted nodes of `tree` (as verified)."""
+        on_path = set(path)
+        reached = on_path | {-1}
+        chain_depth = {node: d + 1 for d, node in enumerate(chain_nodes)}
+        drafted_gain = drafted_rows = 0
+        for i, p in enumerate(tree.parents):
+            ok = i in on_path
+            if tree.scores is not None and tree.scores[i] is not None:
+                self.scores.observe(tree.scores[i], ok)
+                drafted_rows += 1
+                drafted_gain += ok
+            if i in chain_depth and p in reached:
+                state.lookup.observe(chain_depth[i], ok)
+                self.lookup.observe(chain_depth[i], ok)
+        if state.drafted:
+            g = state.gate
+            g.gain = 0.7 * g.gain + 0.3 * drafted_gain
+            g.rows = 0.7 * g.rows + 0.3 * drafted_rows

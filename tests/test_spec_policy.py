@@ -1,0 +1,123 @@
+"""The cost model and the draft-budget policy, on synthetic cost curves: rows nearly free give
+long drafts, rows costing linearly give none, a costly first row then cheap ones is handled,
+requests compete for rows at high concurrency, a head that does not pay is gated off and
+probed, and the measured model follows live steps."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from specserve.spec_decode.cost_model import Curve, StepCostModel
+from specserve.spec_decode.draft_tree import DraftTree
+from specserve.spec_decode.policy import PROBE_FIRST, SpecPolicy
+
+
+def model(f, per_request: float = 0.0, up_to: int = 512) -> StepCostModel:
+    """A cost model whose one-request step over R rows takes f(R) seconds."""
+    rows = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, up_to})
+    return StepCostModel({r: f(r) for r in rows}, per_request)
+
+
+def chain_tree(n: int, p: float) -> DraftTree:
+    """A chain whose nodes are scored as if each were accepted with probability p."""
+    return DraftTree.chain(list(range(10, 10 + n)), scores=[math.log(p ** (i + 1)) for i in range(n)])
+
+
+def calibrated(policy: SpecPolicy) -> SpecPolicy:
+    """Teach the policy that a node of draft probability q is accepted with probability q."""
+    rng = np.random.default_rng(0)
+    for _ in range(4000):
+        q = rng.uniform(0.001, 1.0)
+        policy.scores.observe(math.log(q), rng.uniform() < q)
+    return policy
+
+
+def select(policy, batch, trees):
+    state = policy.new_state()
+    values = [policy.values(state, t) for t in trees]
+    return policy.select(batch, trees, values, [False] * len(trees), 4096)
+
+
+def test_curve_interpolates_extrapolates_and_stays_monotone():
+    c = Curve({1: 1.0, 4: 2.0, 8: 2.0})
+    assert c(2) == pytest.approx(4 / 3) and c(8) == 2.0 and c(16) == 2.0  # flat last slope
+    assert c(0.5) == pytest.approx(0.5)
+    c.update(6, 5.0)  # a blended sample; the points after it are raised to stay monotone
+    assert c(6) == pytest.approx(0.8 * 2.0 + 0.2 * 5.0) and c(8) >= c(6)
+    c.update(6, 1000.0)  # a stall counts as at most three times the prediction
+    assert c(6) == pytest.approx(0.8 * 2.6 + 0.2 * 3 * 2.6)
+    assert np.allclose(c.many(np.array([1, 2, 6, 16])), [c(1), c(2), c(6), c(16)])
+
+
+def test_rows_nearly_free_give_long_drafts():
+    policy = calibrated(SpecPolicy(model(lambda r: 0.03 + 0.0001 * r), max_depth=16))
+    keep = select(policy, 1, [chain_tree(8, 0.7)])
+    assert keep == [list(range(8))]
+
+
+def test_rows_costing_linearly_give_no_drafts():
+    policy = calibrated(SpecPolicy(model(lambda r: 0.03 * r), max_depth=16))
+    assert select(policy, 1, [chain_tree(8, 0.9)]) == [[]]
+    assert select(policy, 16, [chain_tree(4, 0.9)] * 16) == [[]] * 16
+
+
+def test_a_costly_first_row_then_cheap_ones():
+    """CPU float32 on AVX2: 2..16 rows cost about 1.5x one row. One likely node does not pay
+    for the jump; several do."""
+    f = lambda r: 0.06 if r == 1 else 0.09 + 0.0005 * r  # noqa: E731
+    policy = calibrated(SpecPolicy(model(f), max_depth=16))
+    assert select(policy, 1, [chain_tree(1, 0.4)]) == [[]]
+    assert select(policy, 1, [chain_tree(8, 0.8)]) == [list(range(8))]
+
+
+def test_requests_compete_for_rows_at_high_concurrency():
+    """Rows cost a third of a request's share each: only the likeliest nodes of the batch pay."""
+    f = lambda r: 0.01 * r  # noqa: E731
+    policy = calibrated(SpecPolicy(model(f, per_request=0.02), max_depth=16))
+    trees = [chain_tree(4, 0.95)] * 2 + [chain_tree(4, 0.3)] * 14
+    keep = select(policy, 16, trees)
+    assert all(len(k) >= 3 for k in keep[:2]) and not any(keep[2:])
+
+
+def test_a_head_that_does_not_pay_is_gated_off_and_probed():
+    policy = SpecPolicy(model(lambda r: 0.05 + 0.001 * r), max_depth=4)
+    policy.draft_cost.update(1, 0.2)  # a head pass costs four target steps
+    state = policy.new_state()
+    runs = [policy.draft_pays(state, 1, 1) for _ in range(3 * PROBE_FIRST + 1)]
+    assert runs[:PROBE_FIRST - 1] == [False] * (PROBE_FIRST - 1) and runs[PROBE_FIRST - 1]
+    assert runs.count(True) == 2  # probes, the second after twice the wait
+    policy.draft_cost = Curve({1: 0.001})  # a cheap head that accepts well
+    state.gate.gain = 2.0
+    assert policy.draft_pays(state, 1, 1) and state.gate.on
+
+
+def test_no_adaptation_drafts_and_verifies_everything():
+    policy = SpecPolicy(None, max_depth=4, adaptive=False)
+    assert policy.draft_pays(policy.new_state(), 64, 64)
+    assert policy.select(8, [chain_tree(3, 0.01)], [np.zeros(3)], [False], 4096) == [[0, 1, 2]]
+
+
+def test_lookup_values_follow_the_requests_acceptance_by_depth():
+    policy = SpecPolicy(model(lambda r: 0.05), max_depth=8)
+    good, bad = policy.new_state(), policy.new_state()
+    tree = DraftTree.chain([1, 2, 3, 4])
+    for _ in range(20):
+        policy.observe(good, tree, [0, 1, 2, 3], [0, 1, 2, 3])
+        policy.observe(bad, tree, [], [0, 1, 2, 3])
+    good.chain_nodes = bad.chain_nodes = [0, 1, 2, 3]
+    v_good, v_bad = policy.values(good, tree), policy.values(bad, tree)
+    assert v_good[0] > 0.8 and v_bad[0] < 0.2
+    assert all(np.diff(v_good) <= 0)  # a child is never worth more than its parent
+
+
+def test_measured_model_follows_live_steps():
+    cost = StepCostModel({1: 0.05, 2: 0.05, 8: 0.05}, per_request=0.0)
+    for _ in range(40):
+        cost.observe(1, 8, 0.10)  # verify steps of 8 rows turn out twice as slow
+        cost.observe(4, 4, 0.09)  # plain steps of 4 requests: 0.04 s on top of their rows
+    assert cost.step_time(1, 8) == pytest.approx(0.10, rel=0.05)
+    assert cost.base(4) == pytest.approx(0.09 - cost.rows(4), rel=0.05)
+    assert cost.row_price(1, 7) == pytest.approx((0.10 - 0.05) / 7, rel=0.1)
