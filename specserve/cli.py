@@ -13,6 +13,7 @@ _BENCHES = {
     "offline": ("specserve.bench.offline", "offline throughput: specserve vs transformers generate()"),
     "serve": ("specserve.bench.serving", "latency and throughput of a running server"),
     "spec": ("specserve.bench.spec", "speculative decoding over the Spec-Bench prompts"),
+    "load": ("specserve.bench.load", "plain decoding vs speculation at concurrency 1..64 (chat + code)"),
 }
 
 

@@ -1,0 +1,317 @@
+"""`specserve bench load`: plain decoding vs speculation under load, offline.
+
+Answers "is speculation ever slower than plain decoding, at any load?". The workload is
+specserve/data/load_prompts.jsonl: 48 chat and code prompts written for this benchmark (not
+Spec-Bench's, which the project tunes on), each kind half "dev" and half "heldout"; the
+held-out half is for checking, never for tuning, and the result records which split ran.
+
+At each concurrency level c the engine keeps exactly c requests in flight (a closed loop: when
+one finishes, the next prompt is added) until --requests prompts have finished; the default is
+max(2c, 8). The request list cycles through the prompts when it is longer than the prompt
+list, so at c = 64 every prompt appears several times. Every method runs the identical list at
+a level: plain decoding ("none", speculative_config=None) and each --config. Greedy, chat
+template applied, prefix caching off so that every run prefills its prompts whatever ran
+before it. One engine per method, all loaded before anything is timed; the order of the
+methods rotates from level to level to spread machine drift, and with --repeats N the median
+of N runs is reported.
+
+Per (level, method): throughput (output tokens / wall seconds, prefill included), speedup over
+"none" at the same level, mean acceptance length (1 + accepted / drafts) and mismatches
+(requests whose token ids differ from plain decoding's; speculation is lossless, so 0).
+Writes a table to stdout and load.json + load.png into --out.
+
+Not measured: latency (TTFT, inter-token; see `specserve bench serve`), sampled decoding,
+open-loop arrivals, the HTTP server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from specserve.bench.spec import named_configs
+from specserve.config import DTYPE_CHOICES, SpecConfig
+
+DEFAULT_CONFIGS = ['ngram={"method": "ngram"}', 'eagle={"method": "eagle"}']
+SPLITS = ("dev", "heldout", "all")
+CPU_FLAGS = ("avx512_bf16", "amx_bf16", "avx2")
+
+
+def load_prompts(split: str = "all") -> list[dict]:
+    """The workload's rows ({"id", "kind", "split", "prompt"}) of one split, in file order."""
+    if split not in SPLITS:
+        raise ValueError(f"--split: expected one of {', '.join(SPLITS)}, got {split!r}")
+    text = resources.files("specserve").joinpath("data/load_prompts.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [r for r in rows if split == "all" or r["split"] == split]
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default=None, help="target model (default: the default model)")
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
+                        help="weights and activations of every engine")
+    parser.add_argument("--config", action="append", default=None, metavar="NAME=JSON",
+                        help="a speculative configuration to run as NAME (repeatable; default: "
+                             + " and ".join(repr(c) for c in DEFAULT_CONFIGS) + ")")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
+                        help="requests kept in flight, one level each")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests finished per level (default: max(2 * concurrency, 8))")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per method and level; the median throughput is reported")
+    parser.add_argument("--split", default="all", choices=SPLITS,
+                        help="prompts to run (heldout: never used for tuning)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--out", default="bench_out/load", help="directory for JSON and PNG")
+    return parser
+
+
+def check_options(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """The methods' speculative configs [(name, keys)]; ValueError for bad input, before any
+    model loads."""
+    configs = named_configs(args.config or DEFAULT_CONFIGS, "--config")
+    names = [name for name, _ in configs]
+    if "none" in names:
+        raise ValueError("--config: the name 'none' is plain decoding, which always runs; pick another")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--config: names must be unique, got {', '.join(names)}")
+    for name, keys in configs:
+        if SpecConfig.parse(keys).method is None:
+            raise ValueError(f"--config {name}: no speculative method (plain decoding runs as 'none')")
+    if not args.concurrency or min(args.concurrency) < 1:
+        raise ValueError(f"--concurrency: every level must be at least 1, got {args.concurrency}")
+    if args.requests is not None and args.requests < max(args.concurrency):
+        raise ValueError(f"--requests {args.requests}: below --concurrency {max(args.concurrency)}, "
+                         "so that level would never have all its requests in flight")
+    for option, value in (("--repeats", args.repeats), ("--max-tokens", args.max_tokens),
+                          ("--max-model-len", args.max_model_len)):
+        if value < 1:
+            raise ValueError(f"{option}: must be at least 1, got {value}")
+    return configs
+
+
+def request_list(prompts: list, concurrency: int, requests: int | None) -> list:
+    """The prompts one level runs, in order: max(2c, 8) unless given, cycling the list."""
+    n = requests if requests is not None else max(2 * concurrency, 8)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def rotated(methods: list[str], level: int) -> list[str]:
+    """The run order at the level-th concurrency level: shifted by one per level."""
+    k = level % len(methods)
+    return methods[k:] + methods[:k]
+
+
+def machine() -> dict:
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    flags = set(cpuinfo.split())
+    return {"platform": platform.platform(), "machine": platform.machine(),
+            "processor": platform.processor(), "cpu_count": os.cpu_count(),
+            "cpu_flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+@dataclass
+class Run:
+    """One closed-loop pass of a method over a level's request list."""
+
+    tokens: int
+    seconds: float
+    drafts: int
+    accepted: int
+    preemptions: int
+    outputs: list[list[int]] = field(repr=False)  # output token ids, in request-list order
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, params, tag: str) -> Run:
+    """Keep `concurrency` requests in flight until every prompt has finished."""
+    before = engine.stats
+    d0, a0, p0 = before.spec_num_drafts, before.spec_num_accepted_tokens, before.num_preemptions
+    outputs: list[list[int] | None] = [None] * len(prompt_ids)
+    index: dict[str, int] = {}
+
+    def submit() -> None:
+        i = len(index)
+        index[f"{tag}-{i}"] = i
+        engine.add_request(f"{tag}-{i}", prompt_ids[i], params)
+
+    start = time.perf_counter()
+    while len(index) < min(concurrency, len(prompt_ids)):
+        submit()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
+                if len(index) < len(prompt_ids):
+                    submit()
+    seconds = time.perf_counter() - start
+    after = engine.stats
+    return Run(tokens=sum(len(o) for o in outputs), seconds=seconds,
+               drafts=after.spec_num_drafts - d0, accepted=after.spec_num_accepted_tokens - a0,
+               preemptions=after.num_preemptions - p0, outputs=outputs)
+
+
+def load_engines(args: argparse.Namespace, configs: list[tuple[str, dict]]) -> dict:
+    """{method: LLM}, "none" first; one engine each, reused at every level."""
+    from specserve import LLM
+
+    common = {"max_num_seqs": max(args.concurrency), "max_model_len": args.max_model_len,
+              "dtype": args.dtype, "enable_prefix_caching": False}
+    engines = {"none": LLM(args.model, speculative_config=None, **common)}
+    for name, keys in configs:
+        engines[name] = LLM(args.model, speculative_config=keys, **common)
+    return engines
+
+
+def encode(llm, rows: list[dict], max_tokens: int, max_model_len: int) -> list[list[int]]:
+    """Chat-template token ids of each prompt; a prompt that leaves no room for max_tokens is
+    an error (its output would be cut short)."""
+    out = []
+    for r in rows:
+        ids = llm.apply_chat_template([{"role": "user", "content": r["prompt"]}])
+        if len(ids) + max_tokens > max_model_len:
+            raise ValueError(f"prompt {r['id']}: {len(ids)} tokens + --max-tokens {max_tokens} "
+                             f"exceed --max-model-len {max_model_len}")
+        out.append(ids)
+    return out
+
+
+def warm_up(engines: dict, concurrency: int, params) -> None:
+    """A short batch per engine (up to 16 in flight, a prompt outside the workload), so that
+    no timed run pays first-call costs: first touches of the KV cache, batched code paths."""
+    for name, llm in engines.items():
+        ids = llm.apply_chat_template([{"role": "user", "content": "Say hello in three languages."}])
+        n = min(concurrency, 16)
+        closed_loop(llm.engine, [ids] * n, n, params, f"warmup-{name}")
+
+
+def run_level(engines: dict, prompt_ids: list[list[int]], concurrency: int, level: int,
+              repeats: int, params) -> dict[str, list[Run]]:
+    """Every method over the same request list, `repeats` rounds in this level's order."""
+    runs: dict[str, list[Run]] = {m: [] for m in engines}
+    order = rotated(list(engines), level)
+    for rep in range(repeats):
+        for m in order:
+            r = closed_loop(engines[m].engine, prompt_ids, concurrency, params, f"{m}-c{concurrency}-r{rep}")
+            runs[m].append(r)
+            print(f"  c={concurrency:<3} {m:<12} run {rep + 1}/{repeats}: {r.tokens} tokens in "
+                  f"{r.seconds:.2f} s, {r.tokens_per_s:.1f} tok/s", flush=True)
+    return runs
+
+
+def summarise_level(concurrency: int, runs: dict[str, list[Run]]) -> dict:
+    """A table row: per method the median throughput, speedup over none, acceptance length
+    and mismatches against none's first run (any repeat that differs counts)."""
+    reference = runs["none"][0].outputs
+    base = statistics.median(r.tokens_per_s for r in runs["none"])
+    methods = {}
+    for m, rs in runs.items():
+        tps = statistics.median(r.tokens_per_s for r in rs)
+        drafts, accepted = sum(r.drafts for r in rs), sum(r.accepted for r in rs)
+        mismatches = sum(any(r.outputs[i] != ref for r in rs) for i, ref in enumerate(reference))
+        methods[m] = {"tokens_per_s": round(tps, 2),
+                      "speedup": round(tps / base, 3) if base else None,
+                      "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+                      "mismatches": mismatches, "tokens": rs[0].tokens,
+                      "seconds": [round(r.seconds, 3) for r in rs],
+                      "drafts": drafts, "accepted": accepted,
+                      "preemptions": sum(r.preemptions for r in rs)}
+    return {"concurrency": concurrency, "requests": len(reference), "methods": methods}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from specserve import SamplingParams
+
+    configs = check_options(args)  # before any model loads
+    rows = load_prompts(args.split)
+    engines = load_engines(args, configs)
+    first = engines["none"]
+    prompt_ids = encode(first, rows, args.max_tokens, args.max_model_len)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    warm_up(engines, max(args.concurrency), params)
+    table = []
+    for level, c in enumerate(args.concurrency):
+        ids = request_list(prompt_ids, c, args.requests)
+        print(f"concurrency {c}: {len(ids)} requests, order {', '.join(rotated(list(engines), level))}",
+              flush=True)
+        table.append(summarise_level(c, run_level(engines, ids, c, level, args.repeats, params)))
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+              "dtype": str(first.engine.runner.dtype).removeprefix("torch."),
+              "split": args.split, "num_prompts": len(rows),
+              "prompts": {k: sum(r["kind"] == k for r in rows) for k in ("chat", "code")},
+              "methods": {"none": None, **dict(configs)},
+              "options": {k: v for k, v in vars(args).items() if k != "func" and not k.startswith("_")},
+              "rows": table}
+    print_table(result)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "load.json").write_text(json.dumps(result, indent=2))
+    plot(result, out_dir / "load.png")
+    print(f"wrote {out_dir / 'load.json'} and {out_dir / 'load.png'}")
+    return result
+
+
+def print_table(result: dict) -> None:
+    methods = list(result["methods"])
+    cell = f"{'tok/s':>9}{'speedup':>9}{'acc.len':>9}{'mismatch':>10}"
+    width = len(cell)
+    print(f"split {result['split']} ({result['num_prompts']} prompts), dtype {result['dtype']}")
+    print(f"{'':>6}" + "".join(f"{m:>{width}}" for m in methods))
+    print(f"{'conc':>6}" + cell * len(methods))
+    for row in result["rows"]:
+        line = f"{row['concurrency']:>6}"
+        for m in methods:
+            s = row["methods"][m]
+            line += (f"{s['tokens_per_s']:>9.1f}{s['speedup']:>9.2f}"
+                     f"{s['mean_acceptance_length']:>9.2f}{s['mismatches']:>10}")
+        print(line)
+    print("tok/s: output tokens / wall seconds (median of repeats); speedup over none at that level")
+    preempted = sum(s["preemptions"] for row in result["rows"] for s in row["methods"].values())
+    if preempted:
+        print(f"note: {preempted} preemptions (KV cache full); see load.json")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [row["concurrency"] for row in result["rows"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in result["methods"]:
+        if m != "none":
+            ax.plot(levels, [row["methods"][m]["speedup"] for row in result["rows"]], marker="o", label=m)
+    ax.axhline(1.0, color="gray", lw=1, ls="--", label="plain decoding")
+    ax.axhline(0.97, color="gray", lw=1, ls=":", label="3% slower")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("throughput speedup over plain decoding")
+    ax.set_title(f"chat + code, split {result['split']}, greedy ({result['date']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

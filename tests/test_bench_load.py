@@ -1,0 +1,91 @@
+"""specserve bench load: the workload file's shape, option checks (raised before any model
+loads), the closed loop's request list, and one real run on a tiny random model."""
+
+import argparse
+import json
+from importlib import resources
+
+import pytest
+
+from specserve.bench.load import add_args, load_prompts, request_list, rotated, run
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return add_args(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_prompts_are_chat_and_code_each_half_dev_half_heldout():
+    rows = load_prompts("all")
+    assert 40 <= len(rows) <= 56
+    assert len({r["id"] for r in rows}) == len(rows)
+    assert {r["kind"] for r in rows} == {"chat", "code"} and {r["split"] for r in rows} == {"dev", "heldout"}
+    for kind in ("chat", "code"):
+        of_kind = [r for r in rows if r["kind"] == kind]
+        assert len(of_kind) == len(rows) // 2
+        assert sum(r["split"] == "dev" for r in of_kind) == len(of_kind) // 2
+    assert all(r["prompt"].strip() for r in rows)
+    assert sum("```" in r["prompt"] for r in rows if r["kind"] == "code") >= 8  # code to edit or explain
+    dev, heldout = load_prompts("dev"), load_prompts("heldout")
+    assert len(dev) == len(heldout) == len(rows) // 2 and not {r["id"] for r in dev} & {r["id"] for r in heldout}
+
+
+def test_prompts_are_not_spec_bench_prompts():
+    text = resources.files("specserve").joinpath("data/spec_bench/question.jsonl").read_text()
+    spec_bench = {" ".join(t.split()) for line in text.splitlines() for t in json.loads(line)["turns"]}
+    for r in load_prompts("all"):
+        prompt = " ".join(r["prompt"].split())
+        assert prompt not in spec_bench and not any(prompt[:80] in t for t in spec_bench), r["id"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "ngram"], "--config 'ngram': expected NAME=JSON"),
+    (["--config", 'ngram={"method": '], "--config .*expected NAME=JSON"),
+    (["--config", 'none={"method": "ngram"}'], "'none' is plain decoding"),
+    (["--config", 'a={"method": "ngram"}', "--config", 'a={"method": "eagle"}'], "names must be unique"),
+    (["--config", "a={}"], "--config a: no speculative method"),
+    (["--concurrency", "0", "4"], "--concurrency: every level must be at least 1"),
+    (["--concurrency", "4", "--requests", "2"], "--requests 2: below --concurrency 4"),
+    (["--repeats", "0"], "--repeats: must be at least 1"),
+    (["--max-tokens", "0"], "--max-tokens: must be at least 1"),
+])
+def test_bad_options_are_clear_errors(argv, message):
+    with pytest.raises(ValueError, match=message):
+        run(parse(argv))
+
+
+def test_cli_prints_bad_options_without_a_traceback(capsys):
+    from specserve.cli import main
+
+    assert main(["bench", "load", "--concurrency", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "specserve: error: --concurrency" in err and "Traceback" not in err
+
+
+def test_request_list_cycles_and_order_rotates():
+    assert request_list(list("abc"), 1, None) == list("abcabcab")  # max(2c, 8)
+    assert request_list(list("abc"), 8, None) == list("abc" * 6)[:16]
+    assert request_list(list("abc"), 2, 4) == list("abca")
+    assert [rotated(["none", "ngram", "eagle"], k) for k in range(4)] == [
+        ["none", "ngram", "eagle"], ["ngram", "eagle", "none"], ["eagle", "none", "ngram"],
+        ["none", "ngram", "eagle"]]
+
+
+def test_tiny_model_run_writes_json_and_png_and_is_lossless(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "out"
+    result = run(parse(["--model", str(tiny_model_dir), "--concurrency", "1", "2", "--requests", "3",
+                        "--max-tokens", "8", "--max-model-len", "512", "--split", "dev",
+                        "--config", 'ngram={"method": "ngram"}', "--out", str(out)]))
+    saved = json.loads((out / "load.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    assert (out / "load.png").stat().st_size > 0
+    assert saved["split"] == "dev" and saved["dtype"] and saved["machine"]["cpu_count"]
+    assert list(saved["methods"]) == ["none", "ngram"] and saved["methods"]["none"] is None
+    assert [row["concurrency"] for row in saved["rows"]] == [1, 2]
+    for row in saved["rows"]:
+        assert row["requests"] == 3 and set(row["methods"]) == {"none", "ngram"}
+        for stats in row["methods"].values():
+            assert stats["mismatches"] == 0 and stats["tokens_per_s"] > 0 and stats["tokens"] > 0
+        assert row["methods"]["none"]["speedup"] == 1.0
+        assert row["methods"]["ngram"]["tokens"] == row["methods"]["none"]["tokens"]
+    table = capsys.readouterr().out
+    assert "tok/s" in table and "mismatch" in table and "split dev" in table
