@@ -23,14 +23,31 @@ CASES = {"decode": (1, None), "chain4": (4, None), "tree4": (4, [-1, 0, 0, 1]),
 
 
 def load_attention(checkout: Path, name: str):
-    path = checkout / "specserve" / "model" / "attention.py"
-    if not path.is_file():
-        raise SystemExit(f"attention_ab: no specserve/model/attention.py under {checkout}")
-    spec = importlib.util.spec_from_file_location(name, path)
+    """A checkout's specserve/model/attention: the package, or the single module it once was."""
+    package = checkout / "specserve" / "model" / "attention"
+    if (package / "__init__.py").is_file():  # its relative imports resolve inside `name`
+        spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
+                                                      submodule_search_locations=[str(package)])
+    elif package.with_suffix(".py").is_file():
+        spec = importlib.util.spec_from_file_location(name, package.with_suffix(".py"))
+    else:
+        raise SystemExit(f"attention_ab: no specserve/model/attention.py or attention/ under {checkout}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def invariant_step(mod, seq_lens, query_lens, tables, block, parents):
+    """(InvariantAttention, its metadata for the step) from either version of the module."""
+    import torch
+
+    backend = mod.InvariantAttention()
+    if hasattr(backend, "build_metadata"):
+        return backend, backend.build_metadata(seq_lens, query_lens, tables, block, torch.device("cpu"), parents)
+    # a checkout from before the attention package: the metadata is built by layout name
+    return backend, mod.AttentionMetadata.build(seq_lens, query_lens, tables, block, torch.device("cpu"),
+                                                "logical", parents)
 
 
 def main() -> None:
@@ -65,9 +82,8 @@ def main() -> None:
                 for _ in range(args.runs + 1):  # the first run warms up
                     for name, mod in versions.items():
                         start = time.perf_counter()
-                        meta = mod.AttentionMetadata.build([context + n], [n], [table], block, torch.device("cpu"),
-                                                           "logical", [parents] if parents else None)
-                        backend = mod.InvariantAttention()
+                        backend, meta = invariant_step(mod, [context + n], [n], [table], block,
+                                                       [parents] if parents else None)
                         for _ in range(layers):
                             outs[name] = backend(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
                         times[name].append(time.perf_counter() - start)

@@ -9,7 +9,7 @@ the two pieces that carry that property, on the machine that runs the suite: the
 import pytest
 import torch
 
-from specserve.model.attention import AttentionMetadata, InvariantAttention, _sum_chunks
+from specserve.model.attention import InvariantAttention, _sum_chunks
 from specserve.model.llama import Linear
 from specserve.model.runner import cpu_has_native_bf16
 
@@ -80,11 +80,10 @@ class _Cache:
             seq.append(start + n)
             qlen.append(n)
             tables.append(self.tables[r])
-        meta = AttentionMetadata.build(seq, qlen, tables, BLOCK, torch.device("cpu"), "logical",
-                                       tree_parents)
+        backend = InvariantAttention()
+        meta = backend.build_metadata(seq, qlen, tables, BLOCK, torch.device("cpu"), tree_parents)
         with torch.inference_mode():
-            out = InvariantAttention()(torch.cat(q), torch.cat(k), torch.cat(v), self.k, self.v,
-                                       meta, D ** -0.5)
+            out = backend(torch.cat(q), torch.cat(k), torch.cat(v), self.k, self.v, meta, D ** -0.5)
         return list(out.split(qlen))
 
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from specserve import SamplingParams
-from specserve.model.attention import AttentionMetadata
 
 PROMPTS = [
     "The capital of France is",
@@ -42,8 +41,7 @@ def _our_logits(llm, ids: list[int], chunks: list[int]) -> torch.Tensor:
     try:
         out, done = [], 0
         for n in chunks:
-            meta = AttentionMetadata.build([done + n], [n], [blocks], kv.block_size, runner.device,
-                                           runner.backend.layout)
+            meta = runner.backend.build_metadata([done + n], [n], [blocks], kv.block_size, runner.device)
             with torch.inference_mode():
                 hidden = runner.model(torch.tensor(ids[done:done + n]), torch.arange(done, done + n),
                                       runner.kv_caches, meta, runner.backend)

@@ -13,7 +13,9 @@ Node ``i`` attends to every prefix position (``< prefix_len``) and to node
 ``j`` iff bit ``j`` of its mask row is set.  ``tree_mask`` is int32
 [T, ceil(max_query_len / 32)], rows aligned with ``q``; bit ``j % 32`` of word
 ``j // 32`` (two's complement, so bit 31 makes the word negative).  Bits at or
-past the request's ``q_len`` must be zero.
+past the request's ``q_len`` must be zero.  This is the convention of
+specserve/model/tree_mask.py, which builds every tree mask; the helpers below
+are its torch-facing names.
 
 Cache / batch layout and GQA are exactly those of ``paged_attention``; with
 ``causal_tree_mask`` the result equals ``paged_attention``.  The Triton kernel is
@@ -24,35 +26,29 @@ from typing import Optional
 
 import torch
 
+from specserve.model import tree_mask as trees  # not `tree_mask`: the kernels' argument name
+
 from .paged_attention import launch_paged_attn, per_request_attention
 
-WORD_BITS = 32
+WORD_BITS = trees.WORD_BITS
+
+# Host-side helpers over specserve/model/tree_mask.py: a CUDA input is copied to the host and
+# the result back (they build masks for tests and benchmarks, not inside a step).
 
 
 def num_mask_words(n: int) -> int:
-    return max(1, (int(n) + WORD_BITS - 1) // WORD_BITS)
+    return trees.num_words(n)
 
 
 def pack_tree_mask(dense: torch.Tensor, num_words: Optional[int] = None) -> torch.Tensor:
     """bool [n, m] -> int32 [n, W] with bit j%32 of word j//32 = dense[:, j]."""
-    n, m = dense.shape
-    W = num_words if num_words is not None else num_mask_words(m)
-    assert W * WORD_BITS >= m, "num_words too small for the mask width"
-    bits = torch.zeros(n, W * WORD_BITS, dtype=torch.int64, device=dense.device)
-    bits[:, :m] = dense.to(torch.int64)
-    weights = torch.ones(WORD_BITS, dtype=torch.int64, device=dense.device) << torch.arange(
-        WORD_BITS, device=dense.device)
-    words = (bits.view(n, W, WORD_BITS) * weights).sum(-1)  # [n, W] in [0, 2^32)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # wrap to int32
-    return words.to(torch.int32)
+    packed = trees.pack_bits(dense.cpu().numpy(), num_words)
+    return torch.from_numpy(packed).to(dense.device)
 
 
 def unpack_tree_mask(words: torch.Tensor, m: int) -> torch.Tensor:
     """int32 [n, W] -> bool [n, m] (inverse of pack_tree_mask)."""
-    n, W = words.shape
-    shifts = torch.arange(WORD_BITS, device=words.device)
-    bits = (words.to(torch.int64)[:, :, None] >> shifts) & 1  # [n, W, 32]
-    return bits.reshape(n, W * WORD_BITS)[:, :m].bool()
+    return torch.from_numpy(trees.unpack_bits(words.cpu().numpy(), m)).to(words.device)
 
 
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
@@ -60,28 +56,19 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
 
     Row i marks i itself and all of its ancestors.
     """
-    par = [int(p) for p in parents.tolist()]
-    n = len(par)
-    anc = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(par):
-        if p >= 0:
-            if p >= i:
-                raise ValueError(f"parent {p} of node {i} must have a smaller index")
-            anc[i] |= anc[p]
-        elif p != -1:
-            raise ValueError(f"invalid parent {p} for node {i}")
-    return anc.to(parents.device)
+    return torch.from_numpy(trees.ancestor_matrix(parents.tolist())).to(parents.device)
 
 
 def tree_mask_from_parents(parents: torch.Tensor, num_words: Optional[int] = None) -> torch.Tensor:
     """parents: long [n] -> int32 [n, W]: each node sees itself and its ancestors."""
-    return pack_tree_mask(tree_ancestors(parents), num_words)
+    packed = trees.pack_bits(trees.ancestor_matrix(parents.tolist()), num_words)
+    return torch.from_numpy(packed).to(parents.device)
 
 
 def causal_tree_mask(n: int, num_words: Optional[int] = None, device=None) -> torch.Tensor:
     """Chain tree (node i's parent is i - 1): the ordinary causal mask, packed."""
-    parents = torch.arange(n, dtype=torch.long) - 1
-    return tree_mask_from_parents(parents, num_words).to(device or "cpu")
+    packed = trees.pack_bits(trees.ancestor_matrix(trees.chain_parents(n)), num_words)
+    return torch.from_numpy(packed).to(device or "cpu")
 
 
 def tree_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask,

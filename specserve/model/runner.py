@@ -18,7 +18,8 @@ import torch
 
 from specserve.config import CacheConfig, ModelConfig
 from specserve.model.arch import ModelArch
-from specserve.model.attention import AttentionMetadata, get_attention_backend
+from specserve.model import tree_mask
+from specserve.model.attention import get_attention_backend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import load_safetensors
 from specserve.scheduler.scheduler import SchedulerOutput
@@ -121,10 +122,10 @@ class ModelRunner:
                 row_start.append(-1)
                 num_rows.append(0)
         if tree_parents is not None:  # tree nodes sit at prefix + depth, not prefix + index
-            positions = _tree_positions(positions, sched, tree_parents)
-        meta = AttentionMetadata.build(seq_lens, list(sched.num_tokens),
-                                       [r.block_ids for r in sched.requests], self.block_size,
-                                       self.device, self.backend.layout, tree_parents)
+            positions = tree_mask.tree_positions(positions, sched.num_tokens, tree_parents)
+        meta = self.backend.build_metadata(seq_lens, list(sched.num_tokens),
+                                           [r.block_ids for r in sched.requests], self.block_size,
+                                           self.device, tree_parents)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         every = self.model(input_ids, pos, self.kv_caches, meta, self.backend)
@@ -132,22 +133,6 @@ class ModelRunner:
             hook(sched, every)
         hidden = every.index_select(0, torch.tensor(row_index, dtype=torch.int64, device=self.device))
         return StepLogits(self.model.compute_logits(hidden), hidden, row_start, num_rows, every)
-
-
-def _tree_positions(positions: list[int], sched: SchedulerOutput, tree_parents) -> list[int]:
-    """A tree request's n tokens (its last committed token, then the draft nodes) sit at
-    position start + depth, where parents (length n, root -1) give each node's depth."""
-    out, offset = list(positions), 0
-    for n, parents in zip(sched.num_tokens, tree_parents):
-        if parents is not None:
-            assert len(parents) == n, "a tree covers all of a request's scheduled tokens"
-            depth: list[int] = []
-            for p in parents:
-                depth.append(0 if p < 0 else depth[p] + 1)
-            for j, d in enumerate(depth):
-                out[offset + j] = positions[offset] + d
-        offset += n
-    return out
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:

@@ -31,7 +31,6 @@ import torch
 
 from specserve.config import CacheConfig, ModelConfig
 from specserve.model.arch import ModelArch
-from specserve.model.attention import AttentionMetadata
 from specserve.model.loader import resolve_model_dir
 from specserve.model.runner import ModelRunner
 from specserve.request import SamplingParams
@@ -136,9 +135,9 @@ class DraftModelProposer:
             ids += f
             positions += range(s, s + len(f))
             last.append(len(ids) - 1)
-        meta = AttentionMetadata.build([s + len(f) for s, f in zip(starts, feeds)],
-                                       [len(f) for f in feeds], block_ids,
-                                       runner.block_size, runner.device, runner.backend.layout)
+        meta = runner.backend.build_metadata([s + len(f) for s, f in zip(starts, feeds)],
+                                             [len(f) for f in feeds], block_ids,
+                                             runner.block_size, runner.device)
         dev = runner.device
         hidden = runner.model(torch.tensor(ids, dtype=torch.int64, device=dev),
                               torch.tensor(positions, dtype=torch.int64, device=dev),

@@ -116,7 +116,7 @@ def test_dense_backends_split_a_mixed_step_and_match_the_reference(make_batch, b
     b = make_batch(q_lens, prefix, 6, 2, 32, 16, seed=2)
     impl = getattr(A, backend)()
     tables = [row.tolist() for row in b["block_tables"]]
-    meta = A.AttentionMetadata.build(b["seq_lens"].tolist(), q_lens, tables, 16, torch.device("cpu"), impl.layout)
+    meta = impl.build_metadata(b["seq_lens"].tolist(), q_lens, tables, 16, torch.device("cpu"))
     # query lengths 1 | 2-4 | 65-256 attend apart (token rows of each group)
     assert [g.tolist() for g, _ in meta.parts] == [[0, 104], [101, 102, 103], list(range(1, 101))]
     assert A.split_by_query_len(np.array([1, 1, 1])) is None  # a decode step stays whole

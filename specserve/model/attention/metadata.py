@@ -1,0 +1,121 @@
+"""What every attention backend knows about a step: the flattened batch and its paged cache.
+
+A step holds B requests whose T new tokens (prefill chunks, single decode tokens, or draft
+tokens to verify) are concatenated without padding. Request b's new tokens are the last
+q_len_b positions of its context of seq_lens[b] tokens; their K/V are written into the cache
+at `slot_mapping` before attention reads the context back through the block table.
+
+`StepIndex` is the host-side (numpy) form that each backend's `build_metadata` starts from;
+`AttentionMetadata` holds the device tensors every backend reads. A backend's own metadata
+extends it (sdpa.py, invariant.py, paged.py). Built once per step, shared by every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+TreeParents = Sequence[Sequence[int] | None]  # [B]: each request's parents (tree_mask.py) or None
+
+
+@dataclass(frozen=True)
+class StepIndex:
+    """The step's shape on the host, computed once with numpy (int64 throughout)."""
+
+    seq: np.ndarray  # [B] context length of each request, new tokens included
+    qlen: np.ndarray  # [B] new tokens of each request
+    qsl: np.ndarray  # [B+1] offsets of each request's tokens in the flattened batch
+    table: np.ndarray  # [B, max_blocks] block tables, zero-padded
+    req_of_token: np.ndarray  # [T] request of each new token
+    slots: np.ndarray  # [T] cache slot of each new token
+    block_size: int
+    tree_parents: list[list[int] | None] | None  # [B]; None when no request has a tree
+
+    @staticmethod
+    def build(seq_lens: Sequence[int], query_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+              block_size: int, tree_parents: TreeParents | None = None) -> "StepIndex":
+        seq = np.asarray(seq_lens, dtype=np.int64)
+        qlen = np.asarray(query_lens, dtype=np.int64)
+        num_reqs = len(seq_lens)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(qlen, out=qsl[1:])
+        table = np.zeros((num_reqs, max(len(t) for t in block_tables)), dtype=np.int64)
+        for i, t in enumerate(block_tables):
+            table[i, :len(t)] = t
+        # position p of request b lives in slot table[b, p // bs] * bs + p % bs
+        req_of_token = np.repeat(np.arange(num_reqs), qlen)
+        pos = np.arange(int(qsl[-1])) - qsl[req_of_token] + (seq - qlen)[req_of_token]
+        slots = table[req_of_token, pos // block_size] * block_size + pos % block_size
+        has_tree = tree_parents is not None and any(p is not None for p in tree_parents)
+        trees = [None if p is None else list(p) for p in tree_parents] if has_tree else None
+        return StepIndex(seq, qlen, qsl, table, req_of_token, slots, block_size, trees)
+
+    @property
+    def prefix(self) -> np.ndarray:
+        """[B] context before each request's new tokens."""
+        return self.seq - self.qlen
+
+    def select(self, reqs: Sequence[int]) -> "StepIndex":
+        """The same step restricted to the requests `reqs` (in that order)."""
+        seq_lens = self.seq[list(reqs)].tolist()
+        query_lens = self.qlen[list(reqs)].tolist()
+        tables = [self.table[b] for b in reqs]
+        trees = [self.tree_parents[b] for b in reqs] if self.tree_parents is not None else None
+        return StepIndex.build(seq_lens, query_lens, tables, self.block_size, trees)
+
+
+def to_device(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """One host-to-device transfer of a numpy array."""
+    return torch.from_numpy(a).to(device=device, dtype=dtype)
+
+
+@dataclass
+class AttentionMetadata:
+    """The fields every backend needs (the paged layout of the step)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [B+1] int32: offsets of each request's tokens in the batch
+    seq_lens: torch.Tensor  # [B] int32: context length including the new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+
+    @staticmethod
+    def common(step: StepIndex, device: torch.device) -> dict:
+        """The common fields of `step` on `device`, as keyword arguments for any subclass."""
+        return dict(slot_mapping=to_device(step.slots, device),
+                    query_start_loc=to_device(step.qsl, device, torch.int32),
+                    seq_lens=to_device(step.seq, device, torch.int32),
+                    block_tables=to_device(step.table, device, torch.int32),
+                    max_query_len=int(step.qlen.max()),
+                    max_seq_len=int(step.seq.max()))
+
+
+class AttentionBackend(Protocol):
+    """What the model calls: build the step's metadata once, then attend layer by layer."""
+
+    def build_metadata(self, seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]],
+                       block_size: int, device: torch.device,
+                       tree_parents: TreeParents | None = None) -> AttentionMetadata: ...
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D];
+        k and v are written into the caches at meta.slot_mapping first."""
+        ...
+
+
+def split_by_query_len(qlen: np.ndarray) -> list[list[int]] | None:
+    """Request groups for a step whose padding to the longest query would waste work: query
+    lengths in ranges 1, 2-4, 5-16, 17-64, 65-256, ... (each padded at most 4x within its
+    group), so decodes, verifies and prefill chunks do not pad to each other. None when one
+    group holds everything (a plain decode step)."""
+    bucket = (np.ceil(np.log2(np.maximum(qlen, 1))) + 1) // 2  # 1 -> 0, 2-4 -> 1, 5-16 -> 2, ...
+    keys = np.unique(bucket)
+    if len(keys) == 1:
+        return None
+    return [np.flatnonzero(bucket == key).tolist() for key in keys]
