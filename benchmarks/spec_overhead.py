@@ -1,13 +1,14 @@
 """The speculative machinery's own time per request and step, apart from the models' compute.
 
-A tiny random target (hidden 64, 2 layers, the default model's 49k vocabulary) makes the
-target forward cheap, so what is left of an engine step is the engine's own work: scheduling,
-drafting (with random EAGLE/Medusa heads, a draft model that is the target itself, or prompt
-lookup), verification, KV rollback and bookkeeping. Every method drafts its maximum each step
-(`"adaptive": false`), on B requests at once, greedy.
+A tiny random target (hidden 64, 2 layers, a vocabulary of --vocab tokens, 512 by default)
+makes the target forward cheap, so what is left of an engine step is the engine's own work,
+mostly Python: scheduling, drafting (with random EAGLE/Medusa heads, a draft model that is the
+target itself, or prompt lookup), verification, KV rollback and bookkeeping. With --vocab 49152
+(the default model's) the vocabulary-sized work (LM heads, top-k, argmax, noise) counts too.
+Every method drafts its maximum each step (`"adaptive": false`), on B requests at once, greedy.
 
     python benchmarks/spec_overhead.py [--batch 1 16 64] [--methods none ngram eagle medusa draft_model]
-        [--max-tokens 48] [--json OUT.json]
+        [--vocab 512] [--max-tokens 48] [--json OUT.json]
 
 Reports, per method and batch size, milliseconds per decode step outside the target forward,
 divided by B (the per-request overhead), and the target forward's own milliseconds per step.
@@ -33,7 +34,7 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def write_fixtures(root: Path) -> tuple[Path, Path, Path]:
+def write_fixtures(root: Path, vocab: int = 512) -> tuple[Path, Path, Path]:
     """A tiny model directory (the default model's tokenizer), a random EAGLE-1 head and
     random Medusa heads for it."""
     import shutil
@@ -46,12 +47,12 @@ def write_fixtures(root: Path) -> tuple[Path, Path, Path]:
 
     model = root / "tiny"
     model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(TINY))
+    (model / "config.json").write_text(json.dumps({**TINY, "vocab_size": vocab}))
     for f in resolve_model_dir(DEFAULT_MODEL).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
             shutil.copy(f, model / f.name)
     g = torch.Generator().manual_seed(0)
-    h, i, v = TINY["hidden_size"], TINY["intermediate_size"], TINY["vocab_size"]
+    h, i, v = TINY["hidden_size"], TINY["intermediate_size"], vocab
     kv = TINY["num_key_value_heads"] * TINY["head_dim"]
     eagle = root / "eagle"
     eagle.mkdir(exist_ok=True)
@@ -62,7 +63,7 @@ def write_fixtures(root: Path) -> tuple[Path, Path, Path]:
              "layers.0.post_attention_layernorm.weight": (h,)}
     save_file({k: torch.randn(tuple(reversed(s)), generator=g) * 0.2 for k, s in state.items()},
               str(eagle / "model.safetensors"))
-    (eagle / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1}))
+    (eagle / "config.json").write_text(json.dumps({**TINY, "vocab_size": vocab, "num_hidden_layers": 1}))
     medusa = root / "medusa"
     medusa.mkdir(exist_ok=True)
     heads = {}
@@ -87,7 +88,7 @@ def spec_config(method: str, eagle: Path, medusa: Path, model: Path) -> dict | N
                             **fixed}}[method]
 
 
-def measure(llm, batch: int, max_tokens: int, seed: int = 0) -> dict:
+def measure(llm, batch: int, max_tokens: int, seed: int = 0, vocab: int = 512) -> dict:
     """Decode-only steps of `batch` requests run together: ms per step outside the target forward
     (per request) and inside it."""
     from specserve import SamplingParams
@@ -109,7 +110,7 @@ def measure(llm, batch: int, max_tokens: int, seed: int = 0) -> dict:
     totals = {"steps": 0, "step_s": 0.0, "forward_s": 0.0}
     for rep in range(2):  # the first round warms up
         for b in range(batch):
-            pattern = [rng.randrange(100, 40000) for _ in range(8)]
+            pattern = [rng.randrange(3, vocab) for _ in range(8)]
             engine.add_request(f"r{rep}-{b}", (pattern * 8)[:60], params)
         while engine.has_unfinished_requests():
             start = time.perf_counter()
@@ -132,6 +133,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--methods", nargs="+", default=["none", "ngram", "eagle", "medusa", "draft_model"])
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--vocab", type=int, default=512, help="the tiny target's vocabulary")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     import torch
@@ -141,14 +143,14 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model, eagle, medusa = write_fixtures(Path(tmp))
+        model, eagle, medusa = write_fixtures(Path(tmp), args.vocab)
         for method in args.methods:
             llm = LLM(str(model), load_format="dummy", seed=3, max_model_len=512, num_blocks=2048,
                       max_num_seqs=max(args.batch), max_num_batched_tokens=8192,
                       speculative_config=spec_config(method, eagle, medusa, model))
             for b in args.batch:
-                r = measure(llm, b, args.max_tokens)
-                rows.append({"method": method, "batch": b, **r})
+                r = measure(llm, b, args.max_tokens, vocab=args.vocab)
+                rows.append({"method": method, "batch": b, "vocab": args.vocab, **r})
                 print(f"{method:<12} B={b:<3} overhead {r['overhead_ms_per_request']:7.2f} ms/request/step   "
                       f"forward {r['forward_ms']:7.1f} ms/step   ({r['steps']} steps)", flush=True)
             del llm

@@ -43,11 +43,21 @@ def make_llm():
 
 @pytest.fixture(autouse=True)
 def _blocks_back_in_pool():
+    """After every test, every engine it used is idle and holds no KV block. A test that left
+    requests behind fails (they are aborted first, so the next test starts clean)."""
     yield
+    problems = []
     for engine in _ENGINES:
-        if not engine.has_unfinished_requests():
-            kv = engine.kv
-            assert kv.num_free_blocks == kv.num_total_blocks, "KV blocks leaked after the test"
+        if engine.has_unfinished_requests():
+            problems.append(f"requests left unfinished: {sorted(engine.requests)}")
+            for rid in list(engine.requests):
+                engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+        kv = engine.kv
+        if kv.num_free_blocks != kv.num_total_blocks:
+            problems.append(f"KV blocks leaked: {kv.num_total_blocks - kv.num_free_blocks}")
+    assert not problems, "; ".join(problems)
 
 
 @pytest.fixture(scope="session")

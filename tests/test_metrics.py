@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
 
+from specserve.engine import EngineStats as Stats  # the engine's own record, not a copy
 from specserve.metrics import ServerMetrics, StatsLogger, format_spec_log
 from specserve.request import CompletionOutput, RequestOutput
 
@@ -26,17 +26,15 @@ EXPECTED = {
 }
 
 
-@dataclass
-class Stats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
+def test_every_field_the_metrics_read_is_the_engines():
+    """The collectors read EngineStats by name: a renamed field must fail here, not zero a metric."""
+    from dataclasses import fields
+
+    from specserve.metrics import _COUNTER_FIELDS
+
+    names = {f.name for f in fields(Stats)}
+    assert set(_COUNTER_FIELDS) <= names
+    assert {"num_running", "num_waiting", "kv_cache_usage", "spec_accepted_per_pos"} <= names
 
 
 def samples(m: ServerMetrics) -> dict[str, float]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from specserve.model.arch import ModelArch
@@ -50,6 +51,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # trains a head end to end: make test-all
 def test_train_draft_end_to_end_and_resume(tmp_path):
     from specserve.spec_decode.heads_io import load_eagle
 

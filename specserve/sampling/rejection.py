@@ -36,15 +36,15 @@ falls back to p. Uniforms of the acceptance tests are the same hash at column V 
 the position of the parent's row. So the emitted tokens follow the target distribution
 exactly and a seeded request is reproducible whatever else is in the batch.
 
-No per-node host synchronisation: tensor ops over all nodes, a walk of max-depth steps over
-all requests, and one transfer of the result.
+No per-node host synchronisation: tensor ops over all nodes find each row's first passing
+child; one transfer brings those and each row's token to the host, which follows every
+request's accepted path (a second one draws unseeded sampled requests' final tokens).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specserve.sampling.sampler import exponential_noise, uniform_at
@@ -53,18 +53,17 @@ from specserve.sampling.sampler import exponential_noise, uniform_at
 @dataclass
 class FlatTrees:
     """Draft nodes of every request in a step, flattened; nodes of a request are contiguous
-    and in its tree's order (parents before children)."""
+    and in its tree's order (parents before children). Host lists beside the device tensors:
+    the walk along accepted paths runs on the host, over one transfer."""
 
-    root_row: torch.Tensor  # [B] int64: each request's root row
+    root_row: list[int]  # [B] each request's root row
     token: torch.Tensor  # [N] int64: draft token of each node
-    row: torch.Tensor  # [N] int64: the node's own row (the distribution after it)
     parent_row: torch.Tensor  # [N] int64: the row the node is tested against
     rank: torch.Tensor  # [N] int64: order among its parent's children
     req: torch.Tensor  # [N] int64: the request of each node
     probs: torch.Tensor | None  # [N, V] draft distribution q of each node; None: all one-hot
     has_probs: torch.Tensor | None  # [N] bool: the node's q row is real (else one-hot)
-    node_start: list[int]  # [B + 1] host offsets of each request's nodes
-    max_depth: int
+    node_start: list[int]  # [B + 1] offsets of each request's nodes
     max_width: int
 
     @staticmethod
@@ -72,40 +71,30 @@ class FlatTrees:
               vocab_size: int, device) -> "FlatTrees":
         """trees: per request (tokens, parents, probs or None); node i of request b sits at
         row root_rows[b] + 1 + i."""
-        sizes = [len(t) for t, _, _ in trees]
-        start = np.zeros(len(trees) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=start[1:])
-        n = int(start[-1])
-        token = np.empty(n, dtype=np.int64)
-        parent = np.empty(n, dtype=np.int64)
-        depth = np.zeros(n, dtype=np.int64)
-        rank = np.zeros(n, dtype=np.int64)
+        token, parent_row, rank, req, start = [], [], [], [], [0]
         for b, (toks, parents, _) in enumerate(trees):
-            s = int(start[b])
-            token[s:s + len(toks)] = toks
-            parent[s:s + len(toks)] = parents
             kids: dict[int, int] = {}
-            for i, p in enumerate(parents):
-                depth[s + i] = 1 if p < 0 else depth[s + p] + 1
-                rank[s + i] = kids.get(p, 0)
-                kids[p] = rank[s + i] + 1
-        req = np.repeat(np.arange(len(trees)), sizes)
-        root = np.asarray(root_rows, dtype=np.int64)
-        row = root[req] + 1 + (np.arange(n) - start[req])
-        parent_row = root[req] + 1 + parent
-        as_t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+            root = root_rows[b]
+            for p in parents:
+                r = kids.get(p, 0)
+                kids[p] = r + 1
+                parent_row.append(root + 1 + p)
+                rank.append(r)
+            token += toks
+            req += [b] * len(toks)
+            start.append(len(token))
+        cols = torch.tensor([token, parent_row, rank, req], dtype=torch.int64).to(device)
         probs = has_probs = None
         if any(p is not None for _, _, p in trees):
-            probs = torch.zeros(n, vocab_size, device=device)
-            has = np.zeros(n, dtype=bool)
+            probs = torch.zeros(len(token), vocab_size, device=device)
+            has = torch.zeros(len(token), dtype=torch.bool)
             for b, (_, _, p) in enumerate(trees):
                 if p is not None and len(p):
-                    probs[int(start[b]):int(start[b + 1])] = p.to(device)
-                    has[int(start[b]):int(start[b + 1])] = True
-            has_probs = as_t(has)
-        return FlatTrees(as_t(root), as_t(token), as_t(row), as_t(parent_row), as_t(rank), as_t(req),
-                         probs, has_probs, start.tolist(), int(depth.max(initial=0)),
-                         int(rank.max(initial=-1)) + 1)
+                    probs[start[b]:start[b + 1]] = p.to(device)
+                    has[start[b]:start[b + 1]] = True
+            has_probs = has.to(device)
+        return FlatTrees(list(root_rows), cols[0], cols[1], cols[2], cols[3], probs, has_probs, start,
+                         max(rank, default=-1) + 1)
 
 
 @dataclass
@@ -127,23 +116,37 @@ def verify_trees(target: torch.Tensor, exact: torch.Tensor, seeds: torch.Tensor,
     coupled); seeds: [B] int64; row_pos: [R] int64, the position of the token each row samples
     (it keys the noise); coupled: (rows [Rc], their seeds [Rc]) of the coupled (seeded sampled)
     requests, whose token is plain sampling's draw instead of the argmax."""
-    vocab = target.shape[1]
     best = target.argmax(-1)  # [R]: the one token of each exact row
     if coupled is not None:
         rows, row_seeds = coupled
         best[rows] = coupled_tokens(target[rows], row_seeds, row_pos[rows])
-    leaf = trees.root_row
-    path = torch.empty(len(leaf), 0, dtype=torch.int64, device=target.device)
-    if trees.token.numel():
+    num_rows, n = target.shape[0], len(trees.token)
+    next_node = torch.full((num_rows,), -1, dtype=torch.int64, device=target.device)
+    if n:  # the first passing child of each row
         passed = _tests(target, best, exact, seeds, row_pos, trees, all_exact)
-        path, leaf = _walk(passed, trees, target.shape[0])
-    final = best[leaf]
+        key = torch.where(passed, trees.rank, torch.full_like(trees.rank, trees.max_width))
+        first = torch.full((num_rows,), trees.max_width, dtype=torch.int64, device=key.device)
+        first = first.scatter_reduce(0, trees.parent_row, key, reduce="amin")
+        chosen = passed & (trees.rank == first[trees.parent_row])
+        nodes = torch.arange(n, device=key.device)
+        next_node[trees.parent_row[chosen]] = nodes[chosen]
+    host = torch.cat([next_node, best]).tolist()  # the step's one transfer (two with unseeded sampling)
+    next_node_l, best_l = host[:num_rows], host[num_rows:]
+    accepted, leaves = [], []
+    for b, root in enumerate(trees.root_row):
+        path, row, node = [], root, next_node_l[root]
+        while node >= 0:  # node i of request b sits at row root + 1 + (i - node_start[b])
+            path.append(node - trees.node_start[b])
+            row = root + 1 + path[-1]
+            node = next_node_l[row]
+        accepted.append(path)
+        leaves.append(row)
+    final = [best_l[r] for r in leaves]
     if not all_exact:
-        final = torch.where(exact, final, _draw_final(target, leaf, seeds, row_pos, trees, vocab))
-    out = torch.cat([path, final[:, None]], dim=1).tolist()  # the step's one transfer
-    starts = trees.node_start
-    return TreeVerdict([[n - starts[b] for n in row[:-1] if n >= 0] for b, row in enumerate(out)],
-                       [row[-1] for row in out])
+        leaf = torch.tensor(leaves, dtype=torch.int64, device=target.device)
+        drawn = torch.where(exact, best[leaf], _draw_final(target, leaf, seeds, row_pos, trees))
+        final = drawn.tolist()
+    return TreeVerdict(accepted, final)
 
 
 def _tests(target, best, exact, seeds, row_pos, t: FlatTrees, all_exact: bool) -> torch.Tensor:
@@ -167,29 +170,11 @@ def _tests(target, best, exact, seeds, row_pos, t: FlatTrees, all_exact: bool) -
     return torch.where(exact[t.req], match, sampled)
 
 
-def _walk(passed: torch.Tensor, t: FlatTrees, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From each root, follow the first passing child of each row: -> (path [B, D] node indices
-    padded with -1, leaf row [B])."""
-    key = torch.where(passed, t.rank, torch.full_like(t.rank, t.max_width))
-    first = torch.full((num_rows,), t.max_width, dtype=torch.int64, device=key.device)
-    first = first.scatter_reduce(0, t.parent_row, key, reduce="amin")
-    chosen = passed & (t.rank == first[t.parent_row])
-    nodes = torch.arange(len(t.token), device=key.device)
-    next_node = torch.full((num_rows,), -1, dtype=torch.int64, device=key.device)
-    next_node[t.parent_row[chosen]] = nodes[chosen]
-    cur, steps = t.root_row, []
-    for _ in range(t.max_depth):
-        nxt = next_node[cur]
-        steps.append(nxt)
-        cur = torch.where(nxt >= 0, t.row[nxt.clamp(min=0)], cur)
-    return torch.stack(steps, dim=1), cur
-
-
-def _draw_final(target, leaf, seeds, row_pos, t: FlatTrees, vocab: int) -> torch.Tensor:
+def _draw_final(target, leaf, seeds, row_pos, t: FlatTrees) -> torch.Tensor:
     """Sampled requests' recovered or bonus token at their leaf rows: [B] int64."""
     p = target[leaf].double()  # [B, V]
     resid = p.clone()
-    if t.token.numel():  # the leaf's children were all rejected: take them out of p
+    if len(t.token):  # the leaf's children were all rejected: take them out of p
         kids = t.parent_row == leaf[t.req]
         one_hot = kids if t.has_probs is None else kids & ~t.has_probs
         resid[t.req[one_hot], t.token[one_hot]] = 0.0
@@ -199,7 +184,7 @@ def _draw_final(target, leaf, seeds, row_pos, t: FlatTrees, vocab: int) -> torch
             has_q = torch.zeros(len(leaf), dtype=torch.bool, device=p.device)
             has_q[t.req[q_kids]] = True
             resid = torch.where(has_q[:, None], (p - q).clamp_min(0.0), resid)
-    noise = exponential_noise(seeds, row_pos[leaf], vocab)
+    noise = exponential_noise(seeds, row_pos[leaf], p.shape[1])
     score = resid / noise
     drawn = score.argmax(-1)
     return torch.where(score.amax(-1) > 0, drawn, (p / noise).argmax(-1))

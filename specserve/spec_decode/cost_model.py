@@ -127,7 +127,8 @@ class StepCostModel:
     @staticmethod
     def measure(runner, kv, max_rows: int) -> "StepCostModel":
         """Time target forwards of 1 .. max_rows rows (one request) and of plain steps of 4 and
-        16 requests, each the median of 3 after a warm-up. A few seconds; cached per process."""
+        16 requests, each the mean of 2 after one warm-up forward. A few seconds; cached per
+        process."""
         key = (repr(runner.arch), str(runner.dtype), str(runner.device), torch.get_num_threads(),
                runner.block_size)
         if key in _CALIBRATED:
@@ -137,6 +138,7 @@ class StepCostModel:
         start = time.perf_counter()
         print(f"[specserve] measuring step costs on {runner.device} (rows {sizes[0]}..{sizes[-1]}) ...",
               end="", flush=True)
+        _time_step(runner, kv, 1, sizes[-1], reps=1)  # warm-up: first touches of the cache
         rows = {r: t for r in sizes if (t := _time_step(runner, kv, 1, r)) is not None}
         plain = {b: t for b in (4, 16) if (t := _time_step(runner, kv, b, 1)) is not None}
         if not rows:
@@ -152,8 +154,8 @@ class StepCostModel:
         return StepCostModel(rows, model.per_request)
 
 
-def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 3) -> float | None:
-    """Median seconds of a target step of `num_requests` requests, each computing `rows_each`
+def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 2) -> float | None:
+    """Mean seconds of a target step of `num_requests` requests, each computing `rows_each`
     rows after CALIBRATION_CONTEXT tokens (the KV cache holds whatever it holds: only time is
     read); None when the cache cannot hold them."""
     from specserve.request import Request, SamplingParams
@@ -174,13 +176,13 @@ def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 3) -> 
             return None
         sched = SchedulerOutput(reqs, [rows_each] * len(reqs), [0] * len(reqs))
         times = []
-        for _ in range(reps + 1):
+        for _ in range(reps):
             _sync(runner.device)
             t0 = time.perf_counter()
             runner.execute(sched)
             _sync(runner.device)
             times.append(time.perf_counter() - t0)
-        return sorted(times[1:])[reps // 2]
+        return sum(times) / reps
     finally:
         for req in reqs:
             kv.free(req)

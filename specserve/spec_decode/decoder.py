@@ -38,6 +38,7 @@ from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.policy import PROBE_FIRST, PROBE_MAX, RequestState, SpecPolicy
 
 StepResult = tuple[list[int], list[TokenLogprob] | None] | None
+NO_DRAFTS = DraftTree([], [])
 logger = logging.getLogger("specserve.spec_decode")
 
 
@@ -90,8 +91,11 @@ class SpecDecoder:
             self.policy.cost.observe(len(sched), sched.total_tokens, seconds)
 
     def _scheduled(self, req: Request, k: int) -> DraftTree:
-        tree = self.states[req.request_id].tree if k else None
-        return tree.select(range(k)) if tree is not None else DraftTree([], [])
+        """The drafts the scheduler kept: the tree's first k nodes (parents come first)."""
+        if not k:
+            return NO_DRAFTS
+        tree = self.states[req.request_id].tree
+        return tree if k == len(tree) else tree.select(range(k))
 
     def tree_parents(self, sched: SchedulerOutput) -> list[list[int] | None] | None:
         out = []
@@ -129,8 +133,10 @@ class SpecDecoder:
         verify_trees needs beside it: (target, exact [B], seeds [B], row positions [R], all
         exact, coupled rows and their seeds or None)."""
         device = logits.device
-        params, seeds, positions, counts, extra, coupled = [], [], [], [], [], []
         penalties = any(r.params.has_penalties for r in reqs)
+        if not penalties and all(r.params.greedy for r in reqs):  # argmax of the logits: nothing else
+            return logits, None, None, None, True, None
+        params, seeds, positions, counts, extra, coupled = [], [], [], [], [], []
         for req, tree in zip(reqs, trees):
             state = self._state(req)
             if penalties and state.counts is None:
@@ -156,8 +162,6 @@ class SpecDecoder:
         if coupled:
             coupled_rows = (torch.tensor(coupled, dtype=torch.int64, device=device),
                             torch.tensor([seeds[i] for i in coupled], dtype=torch.int64, device=device))
-        if all(r.params.greedy for r in reqs) and not penalties:
-            return logits, exact, req_seeds, row_pos, True, None
         batch = SamplingBatch.build(params, seeds, positions, self.vocab_size, device,
                                     row_counts(counts, extra) if penalties else None)
         target = apply_penalties(logits, batch)
@@ -186,6 +190,8 @@ class SpecDecoder:
                 compact_kv(k_cache, v_cache, src_t, dst_t)
 
     def _learn(self, req: Request, tree: DraftTree, path: list[int]) -> None:
+        if not self.speculating:
+            return
         state = self._state(req)
         if state.drafted and not len(tree):  # drafted, but none of it was worth verifying
             self.policy.observe_unused(state)
@@ -317,7 +323,7 @@ class SpecDecoder:
                 continue
             state.unverified += 1
             cands.append(tree)
-            values.append(self.policy.values(state, tree))
+            values.append(self.policy.values(state, tree) if self.policy.adaptive else None)
             probe.append(probes[j] or state.unverified >= state.probe_every)
             where.append(j)
         keep = self.policy.select(batch, cands, values, probe, self.max_rows)

@@ -184,20 +184,18 @@ class EagleProposer:
                 return
             feats, ids, positions, segments = [], [], [], []
             for g in active:
-                past, num = g.cache.pairs, sum(r >= 0 for r in g.rows)
-                mask = torch.zeros(len(g.frontier), past + num + len(g.frontier), dtype=torch.bool,
-                                   device=self.device)
-                mask[:, :past] = True
+                past, num, f = g.cache.pairs, sum(r >= 0 for r in g.rows), len(g.frontier)
+                tree = [[False] * (num + f) for _ in range(f)]  # its ancestors' entries and its own
                 for j, i in enumerate(g.frontier):
-                    node, entries = i, [past + num + j]
+                    node, tree[j][num + j] = i, True
                     while (node := g.parents[node]) >= 0:
-                        entries.append(past + g.rows[node])
-                    mask[j, entries] = True
+                        tree[j][g.rows[node]] = True
                     g.rows[i] = num + j
                     feats.append(g.outs[g.parents[i]] if g.parents[i] >= 0 else g.cache.last_out)
                     ids.append(g.tokens[i])
                     positions.append(g.position + d - 1)
-                segments.append(Segment(g.cache.kv, past + num, len(g.frontier), mask))
+                mask = torch.cat([torch.ones(f, past, dtype=torch.bool), torch.tensor(tree)], 1).to(self.device)
+                segments.append(Segment(g.cache.kv, past + num, f, mask))
             out = self._pass(feats, ids, positions, segments)
             at = 0
             for g in active:
