@@ -11,7 +11,9 @@ Every method drafts its maximum each step (`"adaptive": false`), on B requests a
         [--vocab 512] [--max-tokens 48] [--json OUT.json]
 
 Reports, per method and batch size, milliseconds per decode step outside the target forward,
-divided by B (the per-request overhead), and the target forward's own milliseconds per step.
+divided by B (the per-request overhead); the part of it that is not the draft network's own
+forward (a head's or draft model's module call, timed by forward hooks: what is left is the
+machinery, mostly Python); and the target forward's own milliseconds per step.
 Runs against whichever specserve is importable (PYTHONPATH=../other-checkout to compare).
 """
 
@@ -105,14 +107,17 @@ def measure(llm, batch: int, max_tokens: int, seed: int = 0, vocab: int = 512) -
         return out
 
     engine.runner.execute = timed_execute
+    draft_s = [0.0]
+    hooks = _time_draft_network(engine, draft_s)
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    totals = {"steps": 0, "step_s": 0.0, "forward_s": 0.0}
+    totals = {"steps": 0, "step_s": 0.0, "forward_s": 0.0, "draft_s": 0.0}
     for rep in range(2):  # the first round warms up
         for b in range(batch):
             pattern = [rng.randrange(3, vocab) for _ in range(8)]
             engine.add_request(f"r{rep}-{b}", (pattern * 8)[:60], params)
         while engine.has_unfinished_requests():
+            draft_s[0] = 0.0
             start = time.perf_counter()
             engine.step()
             seconds = time.perf_counter() - start
@@ -120,12 +125,36 @@ def measure(llm, batch: int, max_tokens: int, seed: int = 0, vocab: int = 512) -
                 totals["steps"] += 1
                 totals["step_s"] += seconds
                 totals["forward_s"] += last["seconds"]
+                totals["draft_s"] += draft_s[0]
             last["decode_only"] = False
     engine.runner.execute = execute
+    for h in hooks:
+        h.remove()
     steps = max(1, totals["steps"])
+    overhead = totals["step_s"] - totals["forward_s"]
     return {"steps": totals["steps"],
-            "overhead_ms_per_request": 1e3 * (totals["step_s"] - totals["forward_s"]) / steps / batch,
+            "overhead_ms_per_request": 1e3 * overhead / steps / batch,
+            "machinery_ms_per_request": 1e3 * (overhead - totals["draft_s"]) / steps / batch,
             "forward_ms": 1e3 * totals["forward_s"] / steps}
+
+
+def _time_draft_network(engine, total: list[float]) -> list:
+    """Forward hooks adding the seconds of every call of the proposer's network (an EAGLE
+    head, Medusa heads, a draft model) to total[0]. Works on any checkout whose engine keeps
+    its proposer at engine.spec.proposer."""
+    proposer = getattr(engine.spec, "proposer", None)
+    modules = [getattr(proposer, "head", None), getattr(proposer, "heads", None),
+               getattr(getattr(proposer, "runner", None), "model", None)]
+    started: list[float] = []
+    hooks = []
+    modules += [m for head in (modules[1] or []) for m in head]  # Medusa: its blocks are called one by one
+    for m in modules:
+        if m is None:
+            continue
+        hooks.append(m.register_forward_pre_hook(lambda *_: started.append(time.perf_counter())))
+        hooks.append(m.register_forward_hook(
+            lambda *_: total.__setitem__(0, total[0] + time.perf_counter() - started.pop())))
+    return hooks
 
 
 def main() -> None:
@@ -151,7 +180,8 @@ def main() -> None:
             for b in args.batch:
                 r = measure(llm, b, args.max_tokens, vocab=args.vocab)
                 rows.append({"method": method, "batch": b, "vocab": args.vocab, **r})
-                print(f"{method:<12} B={b:<3} overhead {r['overhead_ms_per_request']:7.2f} ms/request/step   "
+                print(f"{method:<12} B={b:<3} overhead {r['overhead_ms_per_request']:7.2f} ms/request/step "
+                      f"(machinery {r['machinery_ms_per_request']:5.2f})   "
                       f"forward {r['forward_ms']:7.1f} ms/step   ({r['steps']} steps)", flush=True)
             del llm
     if args.json:

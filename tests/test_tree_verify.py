@@ -57,7 +57,7 @@ def verify(target, trees, greedy, seeds, coupled=False):
         roots.append(at)
         at += 1 + len(t)
     assert target.shape[0] == at
-    flat = FlatTrees.build(roots, [(t.tokens, t.parents, t.probs) for t in trees], target.shape[1], "cpu")
+    flat = FlatTrees(roots, [(t.tokens, t.parents, t.probs) for t in trees], target.shape[1], "cpu")
     depth = [d for t in trees for d in [0] + t.depth]
     pos = torch.tensor(depth) + 100
     exact = [g or coupled for g in greedy]

@@ -36,9 +36,10 @@ falls back to p. Uniforms of the acceptance tests are the same hash at column V 
 the position of the parent's row. So the emitted tokens follow the target distribution
 exactly and a seeded request is reproducible whatever else is in the batch.
 
-No per-node host synchronisation: tensor ops over all nodes find each row's first passing
-child; one transfer brings those and each row's token to the host, which follows every
-request's accepted path (a second one draws unseeded sampled requests' final tokens).
+No per-node host synchronisation: an all-greedy step brings each row's argmax to the host in
+one transfer and follows the matching children there; otherwise tensor ops over all nodes find
+each row's first passing child, one transfer brings those to the host, which follows every
+request's accepted path, and a second brings the final tokens.
 """
 
 from __future__ import annotations
@@ -50,51 +51,53 @@ import torch
 from specserve.sampling.sampler import exponential_noise, uniform_at
 
 
-@dataclass
 class FlatTrees:
     """Draft nodes of every request in a step, flattened; nodes of a request are contiguous
-    and in its tree's order (parents before children). Host lists beside the device tensors:
-    the walk along accepted paths runs on the host, over one transfer."""
+    and in its tree's order (parents before children), node i of request b at row
+    root_row[b] + 1 + i. The host lists are kept (the walk along accepted paths runs on the
+    host, over one transfer); the device columns are built on first use (an all-greedy step
+    never needs them)."""
 
-    root_row: list[int]  # [B] each request's root row
-    token: torch.Tensor  # [N] int64: draft token of each node
-    parent_row: torch.Tensor  # [N] int64: the row the node is tested against
-    rank: torch.Tensor  # [N] int64: order among its parent's children
-    req: torch.Tensor  # [N] int64: the request of each node
-    probs: torch.Tensor | None  # [N, V] draft distribution q of each node; None: all one-hot
-    has_probs: torch.Tensor | None  # [N] bool: the node's q row is real (else one-hot)
-    node_start: list[int]  # [B + 1] offsets of each request's nodes
-    max_width: int
+    def __init__(self, root_rows: list[int], trees: list[tuple[list[int], list[int], torch.Tensor | None]],
+                 vocab_size: int, device) -> None:
+        """trees: per request (tokens, parents, probs [n, V] or None)."""
+        self.root_row, self.trees, self.vocab_size, self.device = list(root_rows), trees, vocab_size, device
+        self.node_start = [0]
+        for toks, _, _ in trees:
+            self.node_start.append(self.node_start[-1] + len(toks))
+        self._columns: tuple | None = None
 
-    @staticmethod
-    def build(root_rows: list[int], trees: list[tuple[list[int], list[int], torch.Tensor | None]],
-              vocab_size: int, device) -> "FlatTrees":
-        """trees: per request (tokens, parents, probs or None); node i of request b sits at
-        row root_rows[b] + 1 + i."""
-        token, parent_row, rank, req, start = [], [], [], [], [0]
-        for b, (toks, parents, _) in enumerate(trees):
-            kids: dict[int, int] = {}
-            root = root_rows[b]
-            for p in parents:
-                r = kids.get(p, 0)
-                kids[p] = r + 1
-                parent_row.append(root + 1 + p)
-                rank.append(r)
-            token += toks
-            req += [b] * len(toks)
-            start.append(len(token))
-        cols = torch.tensor([token, parent_row, rank, req], dtype=torch.int64).to(device)
-        probs = has_probs = None
-        if any(p is not None for _, _, p in trees):
-            probs = torch.zeros(len(token), vocab_size, device=device)
-            has = torch.zeros(len(token), dtype=torch.bool)
-            for b, (_, _, p) in enumerate(trees):
-                if p is not None and len(p):
-                    probs[start[b]:start[b + 1]] = p.to(device)
-                    has[start[b]:start[b + 1]] = True
-            has_probs = has.to(device)
-        return FlatTrees(list(root_rows), cols[0], cols[1], cols[2], cols[3], probs, has_probs, start,
-                         max(rank, default=-1) + 1)
+    def __len__(self) -> int:
+        return self.node_start[-1]
+
+    def columns(self):
+        """(token, parent_row, rank, req, probs, has_probs, max_width) on the device: [N] int64
+        each, probs [N, V] and has_probs [N] bool or None when every node is one-hot."""
+        if self._columns is None:
+            token, parent_row, rank, req = [], [], [], []
+            for b, (toks, parents, _) in enumerate(self.trees):
+                kids: dict[int, int] = {}
+                root = self.root_row[b]
+                for p in parents:
+                    r = kids.get(p, 0)
+                    kids[p] = r + 1
+                    parent_row.append(root + 1 + p)
+                    rank.append(r)
+                token += toks
+                req += [b] * len(toks)
+            cols = torch.tensor([token, parent_row, rank, req], dtype=torch.int64).to(self.device)
+            probs = has_probs = None
+            if any(p is not None for _, _, p in self.trees):
+                start = self.node_start
+                probs = torch.zeros(len(token), self.vocab_size, device=self.device)
+                has = torch.zeros(len(token), dtype=torch.bool)
+                for b, (_, _, p) in enumerate(self.trees):
+                    if p is not None and len(p):
+                        probs[start[b]:start[b + 1]] = p.to(self.device)
+                        has[start[b]:start[b + 1]] = True
+                has_probs = has.to(self.device)
+            self._columns = (cols[0], cols[1], cols[2], cols[3], probs, has_probs, max(rank, default=-1) + 1)
+        return self._columns
 
 
 @dataclass
@@ -108,30 +111,44 @@ def coupled_tokens(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     return (probs / exponential_noise(seeds, positions, probs.shape[1])).argmax(-1)
 
 
-def verify_trees(target: torch.Tensor, exact: torch.Tensor, seeds: torch.Tensor, row_pos: torch.Tensor,
-                 trees: FlatTrees, all_exact: bool,
+def verify_trees(target: torch.Tensor, exact: torch.Tensor | None, seeds: torch.Tensor | None,
+                 row_pos: torch.Tensor | None, trees: FlatTrees, all_exact: bool,
                  coupled: tuple[torch.Tensor, torch.Tensor] | None = None) -> TreeVerdict:
     """target: [R, V] float, rows of greedy requests (penalised) logits, rows of sampled ones
     probabilities; exact: [B] bool, requests whose nodes must equal one token per row (greedy,
     coupled); seeds: [B] int64; row_pos: [R] int64, the position of the token each row samples
     (it keys the noise); coupled: (rows [Rc], their seeds [Rc]) of the coupled (seeded sampled)
-    requests, whose token is plain sampling's draw instead of the argmax."""
+    requests, whose token is plain sampling's draw instead of the argmax. An all-greedy step
+    (all_exact, no coupled rows) needs only target."""
     best = target.argmax(-1)  # [R]: the one token of each exact row
     if coupled is not None:
         rows, row_seeds = coupled
         best[rows] = coupled_tokens(target[rows], row_seeds, row_pos[rows])
-    num_rows, n = target.shape[0], len(trees.token)
+    if all_exact:  # one token per row: follow the children that match it, on the host
+        best_l = best.tolist()
+        accepted, final = [], []
+        for root, (tokens, parents, _) in zip(trees.root_row, trees.trees):
+            kids = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+            path, row = [], root
+            while (node := kids.get((row - root - 1, best_l[row]))) is not None:
+                path.append(node)
+                row = root + 1 + node
+            accepted.append(path)
+            final.append(best_l[row])
+        return TreeVerdict(accepted, final)
+    num_rows, n = target.shape[0], len(trees)
     next_node = torch.full((num_rows,), -1, dtype=torch.int64, device=target.device)
     if n:  # the first passing child of each row
-        passed = _tests(target, best, exact, seeds, row_pos, trees, all_exact)
-        key = torch.where(passed, trees.rank, torch.full_like(trees.rank, trees.max_width))
-        first = torch.full((num_rows,), trees.max_width, dtype=torch.int64, device=key.device)
-        first = first.scatter_reduce(0, trees.parent_row, key, reduce="amin")
-        chosen = passed & (trees.rank == first[trees.parent_row])
+        parent_row, rank = trees.columns()[1:3]
+        max_width = trees.columns()[6]
+        passed = _tests(target, best, exact, seeds, row_pos, trees)
+        key = torch.where(passed, rank, torch.full_like(rank, max_width))
+        first = torch.full((num_rows,), max_width, dtype=torch.int64, device=key.device)
+        first = first.scatter_reduce(0, parent_row, key, reduce="amin")
+        chosen = passed & (rank == first[parent_row])
         nodes = torch.arange(n, device=key.device)
-        next_node[trees.parent_row[chosen]] = nodes[chosen]
-    host = torch.cat([next_node, best]).tolist()  # the step's one transfer (two with unseeded sampling)
-    next_node_l, best_l = host[:num_rows], host[num_rows:]
+        next_node[parent_row[chosen]] = nodes[chosen]
+    next_node_l = next_node.tolist()  # one transfer, a second for the final draws
     accepted, leaves = [], []
     for b, root in enumerate(trees.root_row):
         path, row, node = [], root, next_node_l[root]
@@ -141,48 +158,45 @@ def verify_trees(target: torch.Tensor, exact: torch.Tensor, seeds: torch.Tensor,
             node = next_node_l[row]
         accepted.append(path)
         leaves.append(row)
-    final = [best_l[r] for r in leaves]
-    if not all_exact:
-        leaf = torch.tensor(leaves, dtype=torch.int64, device=target.device)
-        drawn = torch.where(exact, best[leaf], _draw_final(target, leaf, seeds, row_pos, trees))
-        final = drawn.tolist()
-    return TreeVerdict(accepted, final)
+    leaf = torch.tensor(leaves, dtype=torch.int64, device=target.device)
+    drawn = torch.where(exact, best[leaf], _draw_final(target, leaf, seeds, row_pos, trees))
+    return TreeVerdict(accepted, drawn.tolist())
 
 
-def _tests(target, best, exact, seeds, row_pos, t: FlatTrees, all_exact: bool) -> torch.Tensor:
+def _tests(target, best, exact, seeds, row_pos, t: FlatTrees) -> torch.Tensor:
     """[N] bool: each node's acceptance test against its parent's row."""
-    match = t.token == best[t.parent_row]
-    if all_exact:
-        return match
-    p_x = target[t.parent_row, t.token].double()
+    token, parent_row, rank, req, probs, has_probs, max_width = t.columns()
+    match = token == best[parent_row]
+    p_x = target[parent_row, token].double()
     # mass of the earlier (rejected, one-hot) siblings: exclusive sum over ranks per parent row
-    mass = torch.zeros(target.shape[0], t.max_width + 1, dtype=torch.float64, device=target.device)
-    mass[t.parent_row, t.rank + 1] = p_x
-    before = mass.cumsum(1)[t.parent_row, t.rank]
+    mass = torch.zeros(target.shape[0], max_width + 1, dtype=torch.float64, device=target.device)
+    mass[parent_row, rank + 1] = p_x
+    before = mass.cumsum(1)[parent_row, rank]
     q_x = torch.ones_like(p_x)
-    if t.probs is not None:
-        own = t.probs[torch.arange(len(t.token), device=p_x.device), t.token].double()
-        q_x = torch.where(t.has_probs, own, q_x)
-        before = torch.where(t.has_probs, torch.zeros_like(before), before)
+    if probs is not None:
+        own = probs[torch.arange(len(token), device=p_x.device), token].double()
+        q_x = torch.where(has_probs, own, q_x)
+        before = torch.where(has_probs, torch.zeros_like(before), before)
     # the test's uniform: hash column V + rank, past the columns of the row's own draw
-    u = uniform_at(seeds[t.req], row_pos[t.parent_row], target.shape[1] + t.rank)
+    u = uniform_at(seeds[req], row_pos[parent_row], target.shape[1] + rank)
     sampled = (p_x > 0) & (u * q_x * (1.0 - before).clamp_min(0.0) < p_x)
-    return torch.where(exact[t.req], match, sampled)
+    return torch.where(exact[req], match, sampled)
 
 
 def _draw_final(target, leaf, seeds, row_pos, t: FlatTrees) -> torch.Tensor:
     """Sampled requests' recovered or bonus token at their leaf rows: [B] int64."""
     p = target[leaf].double()  # [B, V]
     resid = p.clone()
-    if len(t.token):  # the leaf's children were all rejected: take them out of p
-        kids = t.parent_row == leaf[t.req]
-        one_hot = kids if t.has_probs is None else kids & ~t.has_probs
-        resid[t.req[one_hot], t.token[one_hot]] = 0.0
-        if t.probs is not None:
-            q_kids = kids & t.has_probs  # at most one per leaf (only children)
-            q = torch.zeros_like(p).index_add_(0, t.req[q_kids], t.probs[q_kids].double())
+    if len(t):  # the leaf's children were all rejected: take them out of p
+        token, parent_row, _, req, probs, has_probs, _ = t.columns()
+        kids = parent_row == leaf[req]
+        one_hot = kids if has_probs is None else kids & ~has_probs
+        resid[req[one_hot], token[one_hot]] = 0.0
+        if probs is not None:
+            q_kids = kids & has_probs  # at most one per leaf (only children)
+            q = torch.zeros_like(p).index_add_(0, req[q_kids], probs[q_kids].double())
             has_q = torch.zeros(len(leaf), dtype=torch.bool, device=p.device)
-            has_q[t.req[q_kids]] = True
+            has_q[req[q_kids]] = True
             resid = torch.where(has_q[:, None], (p - q).clamp_min(0.0), resid)
     noise = exponential_noise(seeds, row_pos[leaf], p.shape[1])
     score = resid / noise

@@ -113,7 +113,7 @@ class SpecDecoder:
         verdict = None
         if reqs:
             target, exact, seeds, row_pos, all_exact, coupled = self._target(step.logits, reqs, trees)
-            flat = FlatTrees.build([step.row_start[i] for i in live],
+            flat = FlatTrees([step.row_start[i] for i in live],
                                    [(t.tokens, t.parents, t.probs) for t in trees], self.vocab_size,
                                    step.logits.device)
             verdict = verify_trees(target, exact, seeds, row_pos, flat, all_exact, coupled)
@@ -197,8 +197,8 @@ class SpecDecoder:
             self.policy.observe_unused(state)
         if len(tree):
             self._count(req, len(tree), len(path))
-            chain = [n for n in state.chain_nodes if n < len(tree)]
-            self.policy.observe(state, tree, path, chain)
+            if self.policy.adaptive:
+                self.policy.observe(state, tree, path, [n for n in state.chain_nodes if n < len(tree)])
             state.unverified = 0
             state.probe_every = PROBE_FIRST if path else min(PROBE_MAX, 2 * state.probe_every)
         state.tree, state.chain_nodes, state.drafted = None, [], False

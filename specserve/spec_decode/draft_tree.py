@@ -31,13 +31,12 @@ class DraftTree:
     probs: torch.Tensor | None = None  # [n, V] draft distribution per node (chains only), None = one-hot
     scores: list[float | None] | None = None  # [n] log P_draft(path to the node), None = no score
 
-    def __post_init__(self) -> None:
-        assert len(self.tokens) == len(self.parents)
-        assert all(-1 <= p < i for i, p in enumerate(self.parents)), "parents precede children"
-        assert len({(p, t) for p, t in zip(self.parents, self.tokens)}) == len(self.tokens), \
-            "sibling tokens are distinct"
+    def check(self) -> "DraftTree":
+        """Assert the invariants above (tests call it on every proposer's trees)."""
+        assert len(self.tokens) == len(self.parents) and all(-1 <= p < i for i, p in enumerate(self.parents))
+        assert len(set(zip(self.parents, self.tokens))) == len(self.tokens), "sibling tokens are distinct"
         assert self.probs is None or (self.probs.shape[0] == len(self.tokens) and self.is_chain)
-        assert self.scores is None or len(self.scores) == len(self.tokens)
+        return self
 
     @staticmethod
     def chain(tokens: Sequence[int], probs: torch.Tensor | None = None,

@@ -113,18 +113,20 @@ class EagleProposer:
         self.cache.pop(request_id, None)
 
     # -- drafting ---------------------------------------------------------------------------------
-    def _scores(self, out: torch.Tensor) -> torch.Tensor:
-        """out: [N, hidden] -> draft log-probabilities [N, V'] (float32)."""
-        return torch.log_softmax(self._lm_head(out).float(), -1)
-
-    def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.d2t[ids] if self.d2t is not None else ids
+    def _top(self, out: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """out: [N, hidden] -> each row's top-k draft log-probabilities and target token ids,
+        as host lists (one transfer)."""
+        logits = self._lm_head(out).float()
+        top, ix = logits.topk(self.topk, -1)
+        ids = self.d2t[ix] if self.d2t is not None else ix
+        both = torch.cat([top - logits.logsumexp(-1, keepdim=True), ids.float()], 1).tolist()
+        return [r[:self.topk] for r in both], [[int(t) for t in r[self.topk:]] for r in both]
 
     def _pass(self, feats, ids, positions, segments) -> torch.Tensor:
         """One head pass over the rows of several requests -> outputs [N, hidden]."""
+        ids_pos = torch.tensor([ids, positions], device=self.device)
         out, _, _ = self.head(torch.stack(feats) if isinstance(feats, list) else feats,
-                              self.embed[torch.tensor(ids, device=self.device)],
-                              torch.tensor(positions, device=self.device), segments=segments)
+                              self.embed[ids_pos[0]], ids_pos[1], segments=segments)
         return out
 
     def _catch_up(self, caches: list[_HeadCache], token_ids: list[list[int]]) -> None:
@@ -210,17 +212,15 @@ class EagleProposer:
         """Each parent node (-1: the root) gets its top-k children; each request's next
         frontier is its k best new nodes worth expanding. outs: [sum of parents, hidden]."""
         k = self.topk
-        lp, ix = self._scores(outs).topk(k, -1)  # [P, k]
-        cum = lp + torch.tensor([s for ps in parent_scores for s in ps], device=lp.device)[:, None]
-        cum_l, tok_l = cum.tolist(), self._to_target_ids(ix).tolist()  # one transfer per depth
+        lp_l, tok_l = self._top(outs)  # [P][k]: one transfer per depth
         at = 0
-        for g, ps in zip(grow, parents):
+        for g, ps, scores in zip(grow, parents, parent_scores):
             new = []
-            for parent in ps:
+            for parent, base in zip(ps, scores):
                 for r in range(k):
                     g.tokens.append(tok_l[at][r])
                     g.parents.append(parent)
-                    g.scores.append(cum_l[at][r])
+                    g.scores.append(base + lp_l[at][r])
                     g.outs.append(None)
                     g.rows.append(-1)
                     new.append(len(g.tokens) - 1)
@@ -240,7 +240,4 @@ def _rerank(tokens: list[int], parents: list[int], scores: list[float], m: int,
             break
         if parents[i] < 0 or parents[i] in chosen:
             chosen.add(i)
-    keep = sorted(chosen)
-    index = {old: new for new, old in enumerate(keep)}
-    return DraftTree([tokens[i] for i in keep], [index[parents[i]] if parents[i] >= 0 else -1 for i in keep],
-                     None, [scores[i] for i in keep])
+    return DraftTree(tokens, parents, None, scores).select(sorted(chosen))
