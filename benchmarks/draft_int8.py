@@ -1,5 +1,5 @@
 """What weight-only int8 buys an EAGLE head on this machine: each of the shipped head's matrix
-products in the model's dtype against int8 (specserve.spec_decode.quant) at a few row counts, then
+products in the model's dtype against int8 (specserve.model.quant) at a few row counts, then
 whole EAGLE-2 proposals (the head pass over the last step's committed tokens, then the tree's
 passes) with the two heads alternating, and how often their drafts agree.
 
@@ -30,7 +30,7 @@ def layer_table(prop, rows: list[int], runs: int) -> None:
     import torch
     import torch.nn.functional as F
 
-    from specserve.spec_decode.quant import Int8Linear
+    from specserve.model.quant import Int8Linear
 
     layer = prop.head.layers[0]
     shapes = {"fc": prop.head.fc, "q_proj": layer.self_attn.q_proj, "k_proj": layer.self_attn.k_proj,

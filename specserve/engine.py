@@ -49,6 +49,15 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
 
+    def count_verified(self, drafted: int, accepted: int) -> None:
+        """One request's verified draft: `drafted` nodes, the first `accepted` of its path kept."""
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += drafted
+        self.spec_num_accepted_tokens += accepted
+        self.spec_accepted_per_pos.extend([0] * (accepted - len(self.spec_accepted_per_pos)))
+        for j in range(accepted):
+            self.spec_accepted_per_pos[j] += 1
+
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:

@@ -12,6 +12,7 @@ so the offline engine can reuse them.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Any
@@ -228,3 +229,19 @@ def _snapshot(stats: Any) -> dict[str, Any]:
 class _Obj:
     def __init__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
+
+
+class SpecLog:
+    """A log line with mean acceptance length and per-position rates since the last line,
+    at most every `interval` seconds and only when something was verified."""
+
+    def __init__(self, interval: float = 5.0) -> None:
+        self.interval, self.last, self.prev = interval, time.monotonic(), None
+
+    def maybe(self, stats: Any) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.interval and \
+                stats.spec_num_drafts != (self.prev.spec_num_drafts if self.prev else 0):
+            logging.getLogger("specserve.spec_decode").info(format_spec_log(stats, self.prev))
+            self.last, self.prev = now, copy.deepcopy(stats)
+

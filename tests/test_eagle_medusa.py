@@ -19,7 +19,8 @@ from specserve.spec_decode.cost_model import Curve
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.eagle import DEFAULT_EAGLE_DIR, EagleProposer
 from specserve.spec_decode.eagle_head import EagleHead, HeadKV, Segment
-from specserve.spec_decode.heads_io import load_eagle, save_eagle
+from specserve.spec_decode.heads_io import load_eagle
+from specserve.spec_decode.training.checkpoints import save_eagle
 from specserve.spec_decode.policy import PROBE_FIRST
 
 TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
@@ -121,7 +122,7 @@ def test_trees_in_the_engine_equal_plain_greedy(tmp_path, method, caplog):
         config.update(depth=4, topk=3)
     llm = tiny_llm(tmp_path, config)
     engine = llm.engine
-    engine.spec.log_interval = 0.0
+    engine.spec.log.interval = 0.0
     shapes = {True: 0, False: 0}  # drafts verified as a chain / as a tree
     tree_parents = engine.spec.tree_parents
 
@@ -283,7 +284,7 @@ def test_lookup_chains_alone_keep_greedy_output(tmp_path):
 
 def test_tree_config_keys_reach_the_proposer(tmp_path):
     from specserve.spec_decode.methods import _tree_proposer
-    from specserve.spec_decode.quant import Int8Linear
+    from specserve.model.quant import Int8Linear
 
     runner = tiny_llm(tmp_path).engine.runner
     head = str(write_eagle1(tmp_path / "head"))

@@ -1,4 +1,4 @@
-"""Weight-only int8 draft heads (specserve.spec_decode.quant)."""
+"""Weight-only int8 linear layers (specserve.model.quant) and draft-head formats (specserve.spec_decode.quant)."""
 
 import pytest
 import torch
@@ -7,7 +7,8 @@ from torch import nn
 from specserve.model.arch import ModelArch
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.spec_decode.medusa import MedusaHeads
-from specserve.spec_decode.quant import Int8Linear, check_quantization, int8_pays, quantize_linears, quantize_rows
+from specserve.model.quant import Int8Linear, int8_pays, quantize_linears, quantize_rows
+from specserve.spec_decode.quant import check_quantization
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

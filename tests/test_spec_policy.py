@@ -121,3 +121,8 @@ def test_measured_model_follows_live_steps():
     assert cost.step_time(1, 8) == pytest.approx(0.10, rel=0.05)
     assert cost.base(4) == pytest.approx(0.09 - cost.rows(4), rel=0.05)
     assert cost.row_price(1, 7) == pytest.approx((0.10 - 0.05) / 7, rel=0.1)
+    for _ in range(40):  # steps with drafts at B = 4 cost 0.03 s more than rows + base predict
+        cost.observe(4, 12, cost.rows(12) + cost.base(4) + 0.03)
+    assert cost.step_time(4, 12) - cost.rows(12) - cost.base(4) == pytest.approx(0.03, rel=0.05)
+    assert cost.step_time(4, 4) == pytest.approx(0.09, rel=0.05)  # plain steps are not charged
+    assert cost.step_time(1, 8) == pytest.approx(0.10, rel=0.05)  # nor other batch sizes

@@ -3,15 +3,21 @@
 `StepCostModel` predicts the seconds of a decode-only target step from its batch size B (the
 requests) and its rows R (B plus every draft node verified):
 
-    t(B, R) = rows(R) + base(B)
+    t(B, R) = rows(R) + base(B) [+ spec(B) when R > B]
 
   * rows(R): computing R token rows (weights read once per step, GEMMs whose cost grows with
     R in a way that depends on the CPU or GPU: nearly flat where a GEMM over 8 rows costs what
     one row costs, linear where it costs 8 times as much). Measured at engine start on one
-    request of R new tokens (`measure`), refined by every live step with drafts.
+    request of R new tokens (`measure`), refined by every live step of one request.
   * base(B): what B requests cost beyond their rows (attention over their contexts, metadata);
     base(1) = 0. Learned from live plain steps as t - rows(B), with a prior from plain steps
     of a few requests measured at start.
+  * spec(B), added to steps with drafts only: what such steps of B requests cost beyond
+    rows(R) + base(B), learned from those steps (longer contexts than at calibration make each
+    draft row's attention dearer). It is learned per batch size so that no batch size's
+    steps move the curve the others read. base(B) itself is refreshed by one plain step in
+    PLAIN_EVERY at each batch size (`wants_plain`): the decision compares steps with drafts
+    against plain ones, and a stale base(B) errs by as much as speculation gains.
 
 `Curve` is the table behind both, and behind drafting costs (seconds of a proposer's call by
 the number of requests it drafts for): non-decreasing, linear between measured points, the
@@ -34,6 +40,7 @@ logger = logging.getLogger("specserve.spec_decode")
 
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 CALIBRATION_CONTEXT = 128
+PLAIN_EVERY = 16  # steps with drafts at a batch size between two plain ones (base(B) refresh)
 _CALIBRATED: dict[tuple, "StepCostModel"] = {}  # per process: engines of one model share it
 
 
@@ -100,24 +107,42 @@ class StepCostModel:
         self.rows = Curve(rows)
         self.per_request = max(0.0, per_request)
         self._base: dict[int, float] = {1: 0.0}
+        self._spec: dict[int, float] = {}  # batch -> what its steps with drafts cost beyond the model
+        self._since_plain: dict[int, int] = {}  # batch -> its steps with drafts since its last plain one
 
     def base(self, batch: int) -> float:
         return self._base.get(batch, self.per_request * (batch - 1))
 
     def step_time(self, batch: int, rows: int) -> float:
         """Predicted seconds of a decode step of `batch` requests verifying rows - batch drafts."""
-        return self.rows(rows) + self.base(batch)
+        return self.rows(rows) + self.base(batch) + (self._spec.get(batch, 0.0) if rows > batch else 0.0)
+
+    def step_times(self, batch: int, rows: np.ndarray) -> np.ndarray:
+        """step_time(batch, r) for every r > batch of an array."""
+        return self.rows.many(rows) + self.base(batch) + self._spec.get(batch, 0.0)
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
-        """A live decode-only step (every request computes one committed token plus drafts)."""
-        if rows <= batch:
-            if batch > 1:
-                old = self.base(batch)
-                self._base[batch] = 0.8 * old + 0.2 * (seconds - self.rows(rows))
-            else:
-                self.rows.update(1, seconds)
+        """A live decode-only step (every request computes one committed token plus drafts).
+        One request: the rows curve itself. Several: plain steps teach base(B); steps with
+        drafts teach what they cost at this B beyond rows(R) + base(B) (contexts longer than
+        at calibration, attention of the draft rows, a stale base), so a batch size is judged
+        by its own steps and never moves the curve other batch sizes read."""
+        if batch == 1:
+            self.rows.update(rows, seconds)
+        elif rows <= batch:
+            self._base[batch] = 0.8 * self.base(batch) + 0.2 * (seconds - self.rows(rows))
+            self._since_plain[batch] = 0
         else:
-            self.rows.update(rows, seconds - self.base(batch))
+            extra = seconds - self.rows(rows) - self.base(batch)
+            self._spec[batch] = 0.8 * self._spec.get(batch, 0.0) + 0.2 * extra
+            self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
+
+    def wants_plain(self, batch: int) -> bool:
+        """Whether the next step of `batch` requests should be plain, to measure base(B) at
+        today's contexts: after PLAIN_EVERY steps with drafts at B (or at once, when B has
+        never run plain). Without it base(B) keeps the calibration's prior, which is off by
+        as much as speculation gains at high load."""
+        return batch > 1 and self._since_plain.get(batch, PLAIN_EVERY) >= PLAIN_EVERY
 
     def row_price(self, batch: int, rows: int) -> float:
         """Seconds per row of adding `rows` draft rows to a plain step of `batch` requests."""

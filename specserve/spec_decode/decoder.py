@@ -20,14 +20,13 @@ dropped by `free` (the engine calls it when a request finishes; a preempted one 
 
 from __future__ import annotations
 
-import copy
-import logging
 import time
 
 import numpy as np
 import torch
 
 from specserve.config import SpecConfig
+from specserve.metrics import SpecLog
 from specserve.model.runner import StepLogits
 from specserve.request import Request, TokenLogprob
 from specserve.sampling import (FlatTrees, SamplingBatch, TokenCounts, apply_penalties, gather_logprobs,
@@ -39,12 +38,9 @@ from specserve.spec_decode.policy import PROBE_FIRST, PROBE_MAX, RequestState, S
 
 StepResult = tuple[list[int], list[TokenLogprob] | None] | None
 NO_DRAFTS = DraftTree([], [])
-logger = logging.getLogger("specserve.spec_decode")
 
 
 class SpecDecoder:
-    log_interval = 5.0  # seconds between acceptance log lines
-
     def __init__(self, config: SpecConfig, runner, kv, stats, max_model_len: int, max_num_batched_tokens: int,
                  proposer: Proposer | None = None, lookup: NgramProposer | None = None,
                  policy: SpecPolicy | None = None, max_drafts: int = 0) -> None:
@@ -58,7 +54,7 @@ class SpecDecoder:
         self.max_drafts = max_drafts if (proposer or lookup) else 0
         self.states: dict[str, RequestState] = {}
         self._num_drafted = 1  # requests the proposer drafted for last step (its cost share)
-        self._last_log, self._last_stats = time.monotonic(), None
+        self.log = SpecLog()  # acceptance every few seconds while drafting
 
     @property
     def speculating(self) -> bool:
@@ -196,24 +192,14 @@ class SpecDecoder:
         if state.drafted and not len(tree):  # drafted, but none of it was worth verifying
             self.policy.observe_unused(state)
         if len(tree):
-            self._count(req, len(tree), len(path))
+            req.num_draft_tokens += len(tree)
+            req.num_accepted_tokens += len(path)
+            self.stats.count_verified(len(tree), len(path))
             if self.policy.adaptive:
                 self.policy.observe(state, tree, path, [n for n in state.chain_nodes if n < len(tree)])
             state.unverified = 0
             state.probe_every = PROBE_FIRST if path else min(PROBE_MAX, 2 * state.probe_every)
         state.tree, state.chain_nodes, state.drafted = None, [], False
-
-    def _count(self, req: Request, k: int, accepted: int) -> None:
-        stats = self.stats
-        req.num_draft_tokens += k
-        req.num_accepted_tokens += accepted
-        stats.spec_num_drafts += 1
-        stats.spec_num_draft_tokens += k
-        stats.spec_num_accepted_tokens += accepted
-        while len(stats.spec_accepted_per_pos) < accepted:
-            stats.spec_accepted_per_pos.append(0)
-        for j in range(accepted):
-            stats.spec_accepted_per_pos[j] += 1
 
     def _logprobs(self, reqs, live, trees, accepted, step: StepLogits, results) -> None:
         want = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
@@ -261,8 +247,8 @@ class SpecDecoder:
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             if req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1 and room >= 1:
                 eligible.append((req, room))
-        if not eligible:
-            return
+        if not eligible or (self.policy.adaptive and self.policy.cost.wants_plain(batch)):
+            return  # nothing to draft for, or a plain step to measure (cost_model.wants_plain)
         states = [self._state(r) for r, _ in eligible]
         trees: list[DraftTree | None] = [None] * len(eligible)
         probes = [False] * len(eligible)
@@ -275,7 +261,7 @@ class SpecDecoder:
                 if chain:
                     trees[j], states[j].chain_nodes = (trees[j] or DraftTree([], [])).graft(chain)
         self._select(eligible, states, trees, probes, batch)
-        self._maybe_log()
+        self.log.maybe(self.stats)
 
     def _draft(self, eligible, states, batch: int) -> tuple[list[DraftTree | None], list[bool]]:
         """The per-request proposer, for the requests where it pays (and probes)."""
@@ -338,16 +324,3 @@ class SpecDecoder:
             state.chain_nodes = [index[n] for n in state.chain_nodes if n in index]
             state.tree = tree.select(nodes)
             req.spec_token_ids = list(state.tree.tokens)
-
-    def _maybe_log(self) -> None:
-        """Mean acceptance length and per-position rates since the last line, every
-        `log_interval` seconds while drafting."""
-        now = time.monotonic()
-        prev = self._last_stats
-        if now - self._last_log < self.log_interval or \
-                self.stats.spec_num_drafts == (prev.spec_num_drafts if prev else 0):
-            return
-        from specserve.metrics import format_spec_log
-
-        logger.info(format_spec_log(self.stats, prev))
-        self._last_log, self._last_stats = now, copy.deepcopy(self.stats)

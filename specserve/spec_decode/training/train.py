@@ -271,7 +271,7 @@ def _medusa_loss(heads, batch, lm_sub, t2d, noise: float):
 
 
 def _export(method: str, model, d2t, out: Path, extra: dict) -> None:
-    from specserve.spec_decode.heads_io import save_eagle, save_medusa
+    from specserve.spec_decode.training.checkpoints import save_eagle, save_medusa
 
     if method == "eagle":
         save_eagle(model, d2t, out, extra=extra)
