@@ -1,7 +1,8 @@
 """The cost model and the draft-budget policy, on synthetic cost curves: rows nearly free give
 long drafts, rows costing linearly give none, a costly first row then cheap ones is handled,
 requests compete for rows at high concurrency, a head that does not pay is gated off and
-probed, and the measured model follows live steps."""
+probed, the measured model follows live steps, and speculation measured slower end to end is
+switched off (then probed) per batch size."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from specserve.spec_decode.cost_model import Curve, StepCostModel
+from specserve.spec_decode.cost_model import PLAIN_SAMPLE_EVERY, PROBE_AFTER, PROBE_RUN, Curve, Realized, StepCostModel
 from specserve.spec_decode.draft_tree import DraftTree
 from specserve.spec_decode.policy import PROBE_FIRST, SpecPolicy
 
@@ -126,3 +127,39 @@ def test_measured_model_follows_live_steps():
     assert cost.step_time(4, 12) - cost.rows(12) - cost.base(4) == pytest.approx(0.03, rel=0.05)
     assert cost.step_time(4, 4) == pytest.approx(0.09, rel=0.05)  # plain steps are not charged
     assert cost.step_time(1, 8) == pytest.approx(0.10, rel=0.05)  # nor other batch sizes
+
+
+def run_realized(gate: Realized, batch: int, steps: int, spec_cost: float, plain_cost: float = 1.0,
+                 spec_tokens: float = 1.0) -> list[bool]:
+    """Drive the gate with steps whose seconds per token are spec_cost (speculating) or
+    plain_cost (plain), each relative to the model's plain step time of 1 s."""
+    modes = []
+    for _ in range(steps):
+        spec = gate.speculate(batch)
+        modes.append(spec)
+        tokens = round(batch * spec_tokens) if spec else batch
+        seconds = (spec_cost if spec else plain_cost) * tokens / batch
+        gate.observe(batch, spec, seconds, tokens, 1.0)
+    return modes
+
+
+def test_speculation_measured_slower_is_switched_off_and_probed():
+    gate = Realized()
+    modes = run_realized(gate, 16, 400, spec_cost=1.1)  # 10% slower per token than plain
+    assert not modes[0]  # the first step at a batch size measures plain
+    off = modes.index(False, 1)  # speculation goes off after a few samples ...
+    assert off < 8 and sum(modes[off:]) <= PROBE_RUN * 4  # ... and only probe runs follow
+    assert modes[off:off + PROBE_AFTER - 1] == [False] * (PROBE_AFTER - 1)
+    assert run_realized(Realized(), 1, 200, spec_cost=1.1).count(True) < 12  # batch 1 too
+
+
+def test_speculation_measured_faster_stays_on_with_rare_plain_samples():
+    gate = Realized()
+    modes = run_realized(gate, 1, 300, spec_cost=0.6, spec_tokens=2.0)
+    assert modes.count(False) <= 1 + 300 // PLAIN_SAMPLE_EVERY
+    # a probe that finds speculation winning again turns it back on
+    gate = Realized()
+    run_realized(gate, 16, 100, spec_cost=1.2)
+    modes = run_realized(gate, 16, 400, spec_cost=0.7)
+    assert modes[-100:].count(False) <= 2
+    assert gate.bucket(15) == gate.bucket(16) != gate.bucket(64) and gate.bucket(3) == 3

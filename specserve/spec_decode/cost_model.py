@@ -19,6 +19,12 @@ requests) and its rows R (B plus every draft node verified):
     PLAIN_EVERY at each batch size (`wants_plain`): the decision compares steps with drafts
     against plain ones, and a stale base(B) errs by as much as speculation gains.
 
+`Realized` checks the model's decisions against the wall clock: per batch size (in half-octave
+buckets), the seconds per token of whole steps with speculation (drafting, verification and
+all) against those of plain steps, each over the model's plain step time so that contexts
+growing between samples cancel out. Where speculation measures slower it is switched off, and
+tried again in short runs at doubling intervals: a model error cannot cost more than a probe.
+
 `Curve` is the table behind both, and behind drafting costs (seconds of a proposer's call by
 the number of requests it drafts for): non-decreasing, linear between measured points, the
 last slope past the largest. Live samples enter as exponential moving averages, so the model
@@ -41,6 +47,8 @@ logger = logging.getLogger("specserve.spec_decode")
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 CALIBRATION_CONTEXT = 128
 PLAIN_EVERY = 16  # steps with drafts at a batch size between two plain ones (base(B) refresh)
+PROBE_AFTER, PROBE_MAX, PROBE_RUN = 32, 512, 4  # plain steps before a speculative probe run; its steps
+PLAIN_SAMPLE_EVERY = 64  # steps with speculation between two plain samples of Realized
 _CALIBRATED: dict[tuple, "StepCostModel"] = {}  # per process: engines of one model share it
 
 
@@ -177,6 +185,49 @@ class StepCostModel:
               f"+{1e3 * model.per_request:.2f} ms per request", flush=True)
         _CALIBRATED[key] = model
         return StepCostModel(rows, model.per_request)
+
+
+class Realized:
+    """Whether steps with speculation are faster than plain steps, as measured end to end."""
+
+    def __init__(self, margin: float = 0.02) -> None:
+        self.margin = margin  # speculation must beat plain by this much to stay on
+        self.ema: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> relative s/token
+        self.count: dict[tuple[int, bool], int] = {}
+        self.off: dict[int, list[int]] = {}  # bucket -> [plain steps since the last probe, interval, run left]
+        self.since_plain: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return batch if batch <= 4 else 100 + round(2 * np.log2(batch))
+
+    def observe(self, batch: int, speculated: bool, seconds: float, tokens: int, plain_time: float) -> None:
+        """A whole decode step of `batch` requests emitting `tokens`; plain_time: the model's
+        prediction of a plain step of that batch."""
+        key = (self.bucket(batch), speculated)
+        value = seconds * batch / max(1, tokens) / plain_time
+        n = self.count[key] = self.count.get(key, 0) + 1
+        self.ema[key] = value if n == 1 else 0.8 * self.ema[key] + 0.2 * value
+        self.since_plain[key[0]] = self.since_plain.get(key[0], 0) + 1 if speculated else 0
+
+    def speculate(self, batch: int) -> bool:
+        """Whether the next step of `batch` requests should speculate."""
+        b = self.bucket(batch)
+        spec, plain = self.ema.get((b, True)), self.ema.get((b, False))
+        if plain is None or self.since_plain.get(b, 0) >= PLAIN_SAMPLE_EVERY:
+            return False  # measure a plain step
+        if spec is None or self.count[(b, True)] < 3 or spec * (1 + self.margin) <= plain:
+            self.off.pop(b, None)
+            return True
+        since, interval, run = self.off.setdefault(b, [0, PROBE_AFTER, 0])
+        if run:  # inside a probe run
+            self.off[b][2] -= 1
+            return True
+        if since + 1 >= interval:  # start a probe run (its first step re-warms the proposer)
+            self.off[b] = [0, min(PROBE_MAX, 2 * interval), PROBE_RUN - 1]
+            return True
+        self.off[b][0] += 1
+        return False
 
 
 def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 2) -> float | None:
