@@ -25,6 +25,7 @@ from specserve.request import (CompletionOutput, Request, RequestOutput, Request
                                SamplingParams, TokenLogprob)
 from specserve.scheduler.scheduler import Scheduler
 from specserve.spec_decode import methods
+from specserve.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +115,22 @@ class Engine:
         if n >= self.max_model_len:
             raise ValueError(f"prompt: {n} tokens do not fit the context of {self.max_model_len} "
                              "tokens (max_model_len) with room for one output token")
+        if params.logit_bias and any(not isinstance(t, int) or not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be integers in [0, {vocab})")
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # ValueError naming the field
         longest = min(self.max_model_len, n + params.max_tokens if params.max_tokens else self.max_model_len)
         need = cdiv(longest + self.spec.max_drafts + 1, self.kv.block_size)
         if need > self.kv.num_total_blocks:
             raise ValueError(f"max_tokens: prompt plus max_tokens need {need} KV blocks but the "
                              f"cache has {self.kv.num_total_blocks}")
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's grammar engine, made at the first request that needs it (~1 s)."""
+        if self.spec.grammars is None:
+            self.spec.grammars = Grammars(self.tokenizer, self.arch.vocab_size, sorted(self.eos_token_ids))
+        return self.spec.grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:

@@ -17,6 +17,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from specserve.structured import StructuredOutput
+
 _MAX_LOGPROBS = 20
 
 
@@ -40,6 +42,14 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per output token (0: the sampled one only)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are forbidden before this many output tokens
+    structured: StructuredOutput | None = None  # a grammar the output must follow
+
+    @property
+    def constrained(self) -> bool:
+        """Whether sampling must change the target's logits (grammar, bias, min_tokens)."""
+        return self.structured is not None or bool(self.logit_bias) or self.min_tokens > 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +86,10 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
+        if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise bad("logit_bias", "values must be in [-100, 100]")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

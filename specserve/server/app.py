@@ -54,6 +54,43 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """413 for request bodies over `max_bytes`: by Content-Length before anything is read, and
+    while reading a body sent without one (chunked), so no body is ever held whole past it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = error_response(413, f"the request body exceeds {self.max_bytes} bytes "
+                                        "(--max-request-body-bytes)", code="request_too_large")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await too_large(scope, receive, send)
+            return
+        seen, rejected = 0, False
+
+        async def counted() -> dict:
+            nonlocal seen, rejected
+            message = await receive()
+            if message["type"] == "http.request" and not rejected:
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:  # answer now; the app sees the client gone
+                    rejected = True
+                    await too_large(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: dict) -> None:
+            if not rejected:  # after a 413, whatever the app answers goes nowhere
+                await send(message)
+
+        await self.app(scope, counted, guarded_send)
+
+
 def _validation_param(errors: list[dict[str, Any]]) -> str | None:
     if not errors:
         return None
@@ -65,7 +102,10 @@ def _validation_message(errors: list[dict[str, Any]]) -> str:
     parts = []
     for err in errors[:5]:
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else str(err.get("msg")))
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "extra_forbidden":  # never silently dropped (docs/server.md)
+            msg = "unsupported parameter: this server does not implement it"
+        parts.append(f"{loc}: {msg}" if loc else str(msg))
     return "; ".join(parts) or "invalid request"
 
 
@@ -138,9 +178,13 @@ class _SSEResponse(StreamingResponse):
                 await self._call.stream.aclose()
 
 
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              aliases: list[str] | None = None) -> FastAPI:
-    ctx = ServingContext.create(async_engine, served_model_name, aliases)
+              aliases: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              tool_call_parser: str | None = None) -> FastAPI:
+    ctx = ServingContext.create(async_engine, served_model_name, aliases, tool_call_parser)
     if async_engine.metrics is None:
         async_engine.metrics = ServerMetrics(served_model_name)
     metrics: ServerMetrics = async_engine.metrics
@@ -158,6 +202,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # outermost: before the key check
 
     @app.get("/health")
     async def health() -> Response:

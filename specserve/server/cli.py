@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from specserve.config import DEFAULT_MODEL, DTYPE_CHOICES, EngineConfig, env_str
+from specserve.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 logger = logging.getLogger("specserve.server")
 
@@ -42,10 +43,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         'default "auto": EAGLE with the shipped head on the default model, prompt '
                         'lookup on others, verified only where the measured cost model says it '
                         'pays; "none" turns speculation off')
+    g.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=list(TOOL_PARSERS),
+                   help="the model's tool-call format: smollm (the default model's), hermes "
+                        "(Hermes 2 Pro, Qwen 2.5/3), llama3_json (Llama 3.1+); docs/server.md")
 
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                   help="larger request bodies get HTTP 413 (default 16 MiB)")
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1 routes "
                         "(default: $SPECSERVE_API_KEY if set)")
@@ -94,7 +100,8 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, metrics, StatsLogger(args.stats_interval))
     api_key = args.api_key or env_str("API_KEY") or None
-    app = build_app(async_engine, name, api_key=api_key, aliases=aliases)
+    app = build_app(async_engine, name, api_key=api_key, aliases=aliases,
+                    max_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser)
 
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,

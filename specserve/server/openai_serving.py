@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.request import RequestOutput, SamplingParams
+from specserve.structured import StructuredOutput
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.protocol import SpeculationUsage, Usage, _SamplingFields
 
@@ -107,10 +108,13 @@ class ServingContext:
     tokenizer: Any = None
     vocab_size: int = 0
     token_text: TokenText | None = None
+    tool_parser: Any = None  # tool_parsers.ToolParser: the model's tool-call format
 
     @staticmethod
     def create(async_engine: AsyncEngine, served_model_name: str,
-               aliases: list[str] | None = None) -> "ServingContext":
+               aliases: list[str] | None = None, tool_call_parser: str | None = None) -> "ServingContext":
+        from specserve.server.tool_parsers import get_tool_parser
+
         engine = async_engine.engine
         # A private copy: the engine thread detokenizes with its own, and Rust tokenizers
         # do not like concurrent use of one object.
@@ -127,7 +131,7 @@ class ServingContext:
         vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
         return ServingContext(async_engine, served_model_name, names,
                               int(getattr(engine, "max_model_len", 2048)), tokenizer, int(vocab),
-                              TokenText(tokenizer))
+                              TokenText(tokenizer), get_tool_parser(tool_call_parser))
 
     def check_model(self, model: str | None) -> None:
         if model is None or model == self.served_model_name or model in self.aliases:
@@ -180,9 +184,56 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty or 1.0,
             logprobs=logprobs,
+            logit_bias=_logit_bias(req.logit_bias),
+            min_tokens=req.min_tokens,
+            structured=structured_output(req),
         )
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise ValueError("logit_bias: keys must be token ids (integers as strings)") from None
+
+
+def structured_output(req: _SamplingFields) -> StructuredOutput | None:
+    """The request's one output constraint: OpenAI's response_format, vLLM's
+    structured_outputs, or vLLM's older guided_* fields (more than one is a 400)."""
+    found: list[StructuredOutput] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(StructuredOutput(json='{"type": "object"}', param="response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ValueError("response_format: json_schema.schema is required for type json_schema")
+        found.append(StructuredOutput(json=json.dumps(fmt.json_schema.schema_), param="response_format"))
+    so = req.structured_outputs
+    if so is not None:
+        kinds = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar}
+        if so.json_object:
+            kinds["json"] = kinds["json"] or {"type": "object"}
+        found += [_constraint(kind, value, "structured_outputs") for kind, value in kinds.items() if value is not None]
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            found.append(_constraint(kind, value, f"guided_{kind}"))
+    if len(found) > 1:
+        raise ValueError(f"{found[1].param}: only one output constraint per request "
+                         f"(also given: {found[0].param})")
+    return found[0] if found else None
+
+
+def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
+    if kind == "json":
+        return StructuredOutput(json=value if isinstance(value, str) else json.dumps(value), param=param)
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(value), param=param)
+    return StructuredOutput(**{kind: value}, param=param)
 
 
 def fan_out(base_id: str, prompt_ids: list[int], params: SamplingParams, n: int,

@@ -35,6 +35,7 @@ from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, Proposer
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.policy import PROBE_FIRST, PROBE_MAX, RequestState, SpecPolicy
+from specserve.structured import Grammars, constrain, cut
 
 StepResult = tuple[list[int], list[TokenLogprob] | None] | None
 NO_DRAFTS = DraftTree([], [])
@@ -54,7 +55,10 @@ class SpecDecoder:
         self.max_drafts = max_drafts if (proposer or lookup) else 0
         self.states: dict[str, RequestState] = {}
         self._num_drafted = 1  # requests the proposer drafted for last step (its cost share)
+        self._interval: tuple[float, int, bool, bool] | None = None  # from propose to propose
+        self._step: tuple[bool, int, int] = (False, 0, 0)  # decode only, requests, tokens emitted
         self.log = SpecLog()  # acceptance every few seconds while drafting
+        self.grammars: Grammars | None = None  # set by the engine at the first structured request
 
     @property
     def speculating(self) -> bool:
@@ -64,6 +68,9 @@ class SpecDecoder:
         state = self.states.get(req.request_id)
         if state is None:
             state = self.states[req.request_id] = self.policy.new_state()
+            if req.params.structured is not None:
+                state.grammar = self.grammars.matcher(req.params.structured)
+                state.grammar.consume(req.output_token_ids)
         return state
 
     def free(self, request_id: str) -> None:
@@ -77,7 +84,7 @@ class SpecDecoder:
         """A preempted request: its drafts and the proposer's caches are gone."""
         state = self.states.get(req.request_id)
         if state is not None:
-            state.tree, state.chain_nodes = None, []
+            state.tree, state.chain_nodes, state.masks = None, [], None
         if self.proposer is not None:
             self.proposer.free(req.request_id)
 
@@ -108,8 +115,9 @@ class SpecDecoder:
         results: list[StepResult] = [None] * len(sched.requests)
         verdict = None
         if reqs:
-            target, exact, seeds, row_pos, all_exact, coupled = self._target(step.logits, reqs, trees)
-            flat = FlatTrees([step.row_start[i] for i in live],
+            starts = [step.row_start[i] for i in live]
+            target, exact, seeds, row_pos, all_exact, coupled = self._target(step.logits, reqs, trees, starts)
+            flat = FlatTrees(starts,
                                    [(t.tokens, t.parents, t.probs) for t in trees], self.vocab_size,
                                    step.logits.device)
             verdict = verify_trees(target, exact, seeds, row_pos, flat, all_exact, coupled)
@@ -118,17 +126,22 @@ class SpecDecoder:
                 path = verdict.accepted[j]
                 tokens = [tree.tokens[n] for n in path] + [verdict.final[j]]
                 results[i] = (tokens, None)
+                if req.params.structured is not None:
+                    self._state(req).grammar.consume(tokens)
                 self._learn(req, tree, path)
             self._logprobs(reqs, live, trees, verdict.accepted, step, results)
+        self._step = (sched.decode_only, len(sched), sum(len(r[0]) for r in results if r is not None))
         if self.proposer is not None and self.proposer.needs_hidden:
             self._show_features(sched, step, live, verdict.accepted if verdict else [])
         return results
 
-    def _target(self, logits: torch.Tensor, reqs: list[Request], trees: list[DraftTree]):
+    def _target(self, logits: torch.Tensor, reqs: list[Request], trees: list[DraftTree], starts: list[int]):
         """The verify target per row (greedy: penalised logits; sampled: probabilities) and what
         verify_trees needs beside it: (target, exact [B], seeds [B], row positions [R], all
         exact, coupled rows and their seeds or None)."""
         device = logits.device
+        logits = constrain(logits, reqs, [self._state(r) if r.params.structured else None for r in reqs],
+                           trees, starts, self.vocab_size)
         penalties = any(r.params.has_penalties for r in reqs)
         if not penalties and all(r.params.greedy for r in reqs):  # argmax of the logits: nothing else
             return logits, None, None, None, True, None
@@ -199,7 +212,7 @@ class SpecDecoder:
                 self.policy.observe(state, tree, path, [n for n in state.chain_nodes if n < len(tree)])
             state.unverified = 0
             state.probe_every = PROBE_FIRST if path else min(PROBE_MAX, 2 * state.probe_every)
-        state.tree, state.chain_nodes, state.drafted = None, [], False
+        state.tree, state.chain_nodes, state.drafted, state.masks = None, [], False, None
 
     def _logprobs(self, reqs, live, trees, accepted, step: StepLogits, results) -> None:
         want = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
@@ -247,8 +260,8 @@ class SpecDecoder:
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             if req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1 and room >= 1:
                 eligible.append((req, room))
-        if not eligible or (self.policy.adaptive and self.policy.cost.wants_plain(batch)):
-            return  # nothing to draft for, or a plain step to measure (cost_model.wants_plain)
+        if not (self._speculate(batch, bool(eligible)) if self.policy.adaptive else eligible):
+            return  # nothing to draft for, a plain step to measure, or speculation measured slower
         states = [self._state(r) for r, _ in eligible]
         trees: list[DraftTree | None] = [None] * len(eligible)
         probes = [False] * len(eligible)
@@ -262,6 +275,20 @@ class SpecDecoder:
                     trees[j], states[j].chain_nodes = (trees[j] or DraftTree([], [])).graft(chain)
         self._select(eligible, states, trees, probes, batch)
         self.log.maybe(self.stats)
+
+    def _speculate(self, batch: int, eligible: bool) -> bool:
+        """Closes the last propose-to-propose interval (a sample of cost_model.Realized when its
+        step decoded the batch it was proposed for) and decides the next: plain when the cost
+        model wants a plain step, or when the measured rate says speculation loses."""
+        now, policy = time.perf_counter(), self.policy
+        if self._interval is not None:
+            start, b, spec, spec_before = self._interval
+            decode_only, requests, tokens = self._step
+            if decode_only and requests == b and (spec_before or not spec):  # no re-warm after plain
+                policy.realized.observe(b, spec, now - start, tokens, policy.cost.step_time(b, b))
+        spec = eligible and not policy.cost.wants_plain(batch) and policy.realized.speculate(batch)
+        self._interval = (now, batch, spec, self._interval is not None and self._interval[2])
+        return spec
 
     def _draft(self, eligible, states, batch: int) -> tuple[list[DraftTree | None], list[bool]]:
         """The per-request proposer, for the requests where it pays (and probes)."""
@@ -304,8 +331,10 @@ class SpecDecoder:
     def _select(self, eligible, states, trees, probes, batch: int) -> None:
         cands, values, probe, where = [], [], [], []
         for j, ((req, room), state, tree) in enumerate(zip(eligible, states, trees)):
+            if tree is not None and state.grammar is not None:
+                tree, state.masks, state.chain_nodes = cut(tree, state.grammar, state.chain_nodes)
             if tree is None or not len(tree):
-                state.tree, state.chain_nodes = None, []
+                state.tree, state.chain_nodes, state.masks = None, [], None
                 continue
             state.unverified += 1
             cands.append(tree)
@@ -319,8 +348,11 @@ class SpecDecoder:
             nodes = nodes[:room]  # parents first: a prefix is still a tree
             if not nodes:
                 state.tree, state.chain_nodes = None, []
+                state.masks = state.masks[:1] if state.masks is not None else None  # the root's
                 continue
             index = {old: new for new, old in enumerate(nodes)}
             state.chain_nodes = [index[n] for n in state.chain_nodes if n in index]
             state.tree = tree.select(nodes)
+            if state.masks is not None:
+                state.masks = state.masks[[0] + [n + 1 for n in nodes]]
             req.spec_token_ids = list(state.tree.tokens)

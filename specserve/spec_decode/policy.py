@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve.spec_decode.cost_model import Curve, StepCostModel
+from specserve.spec_decode.cost_model import Curve, Realized, StepCostModel
 from specserve.spec_decode.draft_tree import DraftTree
 
 MARGIN = 0.10  # speculate only when the predicted step rate beats plain by this much (the
@@ -105,6 +105,8 @@ class RequestState:
     counts: object | None = None  # sampling.TokenCounts, for requests with penalties
     unverified: int = 0  # steps its drafts were not verified since they last were
     probe_every: int = PROBE_FIRST  # verify its best node anyway after this many such steps
+    grammar: object | None = None  # structured.Matcher, for requests with structured output
+    masks: object | None = None  # its bit masks of the root and of `tree`'s nodes (int32 [1 + n, words])
 
 
 class SpecPolicy:
@@ -115,6 +117,7 @@ class SpecPolicy:
         self.lookup = DepthAcceptance(max_depth, decay=0.98)  # decoder-wide prior by depth
         self.scores = ScoreCalibration()
         self.draft_cost = Curve()  # seconds of a proposer call by requests drafted for
+        self.realized = Realized()  # whole steps, speculating vs plain, by batch size
 
     def new_state(self) -> RequestState:
         return RequestState(DepthAcceptance(self.max_depth, decay=0.8, prior=(0.0, 0.0)))
