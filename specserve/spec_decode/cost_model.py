@@ -47,7 +47,8 @@ logger = logging.getLogger("specserve.spec_decode")
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 CALIBRATION_CONTEXT = 128
 PLAIN_EVERY = 16  # steps with drafts at a batch size between two plain ones (base(B) refresh)
-PROBE_AFTER, PROBE_MAX, PROBE_RUN = 32, 512, 4  # plain steps before a speculative probe run; its steps
+PROBE_AFTER, PROBE_MAX, PROBE_RUN = 32, 128, 6  # plain steps before a speculative probe run; its steps
+MIN_SAMPLES = 8  # speculative samples at a batch size before it can be judged slower
 PLAIN_SAMPLE_EVERY = 64  # steps with speculation between two plain samples of Realized
 _CALIBRATED: dict[tuple, "StepCostModel"] = {}  # per process: engines of one model share it
 
@@ -216,7 +217,7 @@ class Realized:
         spec, plain = self.ema.get((b, True)), self.ema.get((b, False))
         if plain is None or self.since_plain.get(b, 0) >= PLAIN_SAMPLE_EVERY:
             return False  # measure a plain step
-        if spec is None or self.count[(b, True)] < 3 or spec * (1 + self.margin) <= plain:
+        if spec is None or self.count[(b, True)] < MIN_SAMPLES or spec * (1 + self.margin) <= plain:
             self.off.pop(b, None)
             return True
         since, interval, run = self.off.setdefault(b, [0, PROBE_AFTER, 0])
