@@ -22,10 +22,12 @@ The grammar's JSON uses the separators `", "` and `": "` (what the prompt shows 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,34 +112,35 @@ def _parsed(obj: Any, args_keys: tuple[str, ...]) -> ParsedCall | None:
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-class ToolParser:
-    """One tool-call text format. Tools are OpenAI function objects:
-    {"name", "description"?, "parameters"?}."""
+class ToolParser(ABC):
+    """One tool-call text format (an abstract base: each parser implements the five methods).
+    Tools are OpenAI function objects: {"name", "description"?, "parameters"?}."""
 
     name = ""
     args_key = "arguments"
 
+    @abstractmethod
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        raise NotImplementedError
+        """The system-prompt text that lists the tools and the call format."""
 
+    @abstractmethod
     def format_calls(self, calls: list[tuple[str, Any]]) -> str:
         """The text of calls (name, arguments as a dict or JSON text) in an assistant turn."""
-        raise NotImplementedError
 
+    @abstractmethod
     def grammar(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
         """Lark text that admits only calls: of the function `choice`, or of any tool when it is
         None ("required"); exactly one call unless `parallel`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls) of a finished output. Text without a well-formed call is all content
         (no calls); with calls, content is the text before the first one (None if blank)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def split(self, text: str) -> tuple[int, int | None]:
         """Streaming: (length of the prefix that is surely content, where a call starts or None).
         Text that may still become the start of a call is held back."""
-        raise NotImplementedError
 
     # -- shared pieces -------------------------------------------------------------------------
     def _call_rules(self, tools: list[dict[str, Any]], choice: str | None) -> str:
@@ -151,10 +154,8 @@ class ToolParser:
 
     def _call_json(self, name: str, arguments: Any) -> str:
         if isinstance(arguments, str):
-            try:
+            with contextlib.suppress(json.JSONDecodeError):  # else kept as text: the history is the client's
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass  # passed on as a string: the history is the client's
         return json.dumps({"name": name, self.args_key: arguments}, ensure_ascii=False)
 
     @staticmethod
