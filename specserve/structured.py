@@ -77,22 +77,21 @@ class Grammars:
         n_vocab = max(vocab_size, len(tokenizer))
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=sorted(eos_token_ids))
         self.words = (n_vocab + 31) // 32
-        self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()  # by constraint
 
     def compile(self, spec: StructuredOutput):
         """The compiled matcher of a constraint (cached); ValueError naming the field if bad."""
         import llguidance
 
-        text = spec.grammar_text()
-        matcher = self._compiled.get(text)
+        matcher = self._compiled.get(spec)
         if matcher is None:
-            matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar_text(), log_level=0)
             if matcher.is_error():
                 raise ValueError(f"{spec.param}: {matcher.get_error().strip()}")
-            self._compiled[text] = matcher
+            self._compiled[spec] = matcher
             while len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(text)
+        self._compiled.move_to_end(spec)
         return matcher
 
     def matcher(self, spec: StructuredOutput) -> "Matcher":

@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -188,6 +189,15 @@ class StepCostModel:
         return StepCostModel(rows, model.per_request)
 
 
+@dataclass
+class _Off:
+    """A batch-size bucket where speculation measured slower: its probe schedule."""
+
+    waited: int = 0  # plain steps since the last probe run
+    interval: int = PROBE_AFTER  # plain steps before the next one
+    run: int = 0  # probe steps still to go
+
+
 class Realized:
     """Whether steps with speculation are faster than plain steps, as measured end to end."""
 
@@ -195,7 +205,7 @@ class Realized:
         self.margin = margin  # speculation must beat plain by this much to stay on
         self.ema: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> relative s/token
         self.count: dict[tuple[int, bool], int] = {}
-        self.off: dict[int, list[int]] = {}  # bucket -> [plain steps since the last probe, interval, run left]
+        self.off: dict[int, _Off] = {}
         self.since_plain: dict[int, int] = {}
 
     @staticmethod
@@ -220,14 +230,14 @@ class Realized:
         if spec is None or self.count[(b, True)] < MIN_SAMPLES or spec * (1 + self.margin) <= plain:
             self.off.pop(b, None)
             return True
-        since, interval, run = self.off.setdefault(b, [0, PROBE_AFTER, 0])
-        if run:  # inside a probe run
-            self.off[b][2] -= 1
+        off = self.off.setdefault(b, _Off())
+        if off.run:  # inside a probe run
+            off.run -= 1
             return True
-        if since + 1 >= interval:  # start a probe run (its first step re-warms the proposer)
-            self.off[b] = [0, min(PROBE_MAX, 2 * interval), PROBE_RUN - 1]
+        off.waited += 1
+        if off.waited >= off.interval:  # start a probe run (its first step re-warms the proposer)
+            off.waited, off.interval, off.run = 0, min(PROBE_MAX, 2 * off.interval), PROBE_RUN - 1
             return True
-        self.off[b][0] += 1
         return False
 
 
