@@ -28,6 +28,15 @@ def set_num_drafts(llm, k: int) -> None:
         spec.lookup.k = k
 
 
+def check_tree(tree):
+    """Assert DraftTree's invariants (parents first, distinct siblings, probabilities on chains
+    only); returns the tree."""
+    assert len(tree.tokens) == len(tree.parents) and all(-1 <= p < i for i, p in enumerate(tree.parents))
+    assert len(set(zip(tree.parents, tree.tokens))) == len(tree.tokens), "sibling tokens are distinct"
+    assert tree.probs is None or (tree.probs.shape[0] == len(tree.tokens) and tree.is_chain)
+    return tree
+
+
 def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 

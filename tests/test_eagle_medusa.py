@@ -22,6 +22,7 @@ from specserve.spec_decode.eagle_head import EagleHead, HeadKV, Segment
 from specserve.spec_decode.heads_io import load_eagle
 from specserve.spec_decode.training.checkpoints import save_eagle
 from specserve.spec_decode.policy import PROBE_FIRST
+from tests.spec_helpers import check_tree
 
 TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -216,7 +217,7 @@ def test_tree_shape_and_the_cost_models_cut(tmp_path):
         prop.observe([r.request_id], [0], [prompt_features(runner, kv, r)])
         r.all_token_ids.append(11)  # one pending token, as after a step
     full = prop.propose(propose_batch(reqs, 8))
-    assert [len(t.check()) for t in full] == [8, 8] and all(max(t.depth) <= 3 for t in full)
+    assert [len(check_tree(t)) for t in full] == [8, 8] and all(max(t.depth) <= 3 for t in full)
     seen = []
     rerank = eagle_mod._rerank
     eagle_mod._rerank = lambda t, p, s, *rest: seen.append((list(t), list(p), list(s))) or rerank(t, p, s, *rest)
@@ -330,7 +331,7 @@ def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
     assert (sub.tokens, sub.parents, sub.scores) == ([10, 12, 7], [-1, 0, 1], [-0.1, -0.3, None])
     assert DraftTree([], []).graft([3, 4])[0].is_chain
     with pytest.raises(AssertionError, match="distinct"):
-        DraftTree([5, 5], [-1, -1]).check()
+        check_tree(DraftTree([5, 5], [-1, -1]))
 
 
 def test_head_kv_buffers_match_the_head_over_the_whole_sequence():

@@ -134,6 +134,16 @@ class ModelRunner:
         hidden = every.index_select(0, torch.tensor(row_index, dtype=torch.int64, device=self.device))
         return StepLogits(self.model.compute_logits(hidden), hidden, row_start, num_rows, every)
 
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of cache slots src to slots dst in every layer (accepted draft paths
+        moving next to their roots): one call per layer."""
+        from specserve.kernels import compact_kv
+
+        src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            compact_kv(k_cache, v_cache, src_t, dst_t)
+
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     """Random weights in the config's shape (for speed benchmarks and unit tests)."""

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sampling.sampler import exponential_noise, uniform_at
+from specserve.sampling.sampler import (SamplingBatch, TokenCounts, apply_penalties, exponential_noise,
+                                        processed_probs, row_counts, uniform_at)
 
 
 class FlatTrees:
@@ -104,6 +105,43 @@ class FlatTrees:
 class TreeVerdict:
     accepted: list[list[int]]  # per request: accepted node indices (into its tree), root to leaf
     final: list[int]  # per request: the token drawn at the end of the accepted path
+
+
+def verify_targets(logits: torch.Tensor, requests, trees: list[tuple[list[int], list[int]]],
+                   counts: list[TokenCounts] | None, vocab_size: int):
+    """What verify_trees needs for the step's rows: (target, exact, seeds, row_pos, all_exact,
+    coupled). requests: each with .params, .sampling_seed, .num_tokens, .all_token_ids; trees:
+    each request's draft (tokens, parents), whose rows follow its root row; counts: each
+    request's TokenCounts when any request has penalties (they see the drafts before a row,
+    as plain decoding would have seen those tokens)."""
+    if counts is None and all(r.params.greedy for r in requests):  # argmax of the logits: nothing else
+        return logits, None, None, None, True, None
+    device = logits.device
+    params, seeds, positions, row_counts_of, extra, coupled = [], [], [], [], [], []
+    for b, (req, (tokens, parents)) in enumerate(zip(requests, trees)):
+        ancestors: list[list[int]] = [[]]
+        for p, tok in zip(parents, tokens):
+            ancestors.append(ancestors[p + 1] + [tok])
+        seeded = req.params.seed is not None and not req.params.greedy
+        for anc in ancestors:
+            if seeded:
+                coupled.append(len(positions))
+            params.append(req.params)
+            seeds.append(req.sampling_seed)
+            positions.append(req.num_tokens + len(anc))
+            if counts is not None:
+                row_counts_of.append(counts[b].sync(req.all_token_ids))
+                extra.append(anc)
+    exact_l = [r.params.greedy or r.params.seed is not None for r in requests]
+    tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    coupled_rows = (tensor(coupled), tensor([seeds[i] for i in coupled])) if coupled else None
+    batch = SamplingBatch.build(params, seeds, positions, vocab_size, device,
+                                row_counts(row_counts_of, extra) if counts is not None else None)
+    target = apply_penalties(logits, batch)
+    if not batch.all_greedy:
+        target = torch.where(batch.greedy[:, None], target, processed_probs(logits, batch))
+    return (target, torch.tensor(exact_l, dtype=torch.bool, device=device),
+            tensor([r.sampling_seed for r in requests]), tensor(positions), all(exact_l), coupled_rows)
 
 
 def coupled_tokens(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,35 +1,22 @@
 """The measured cost of a decode step on the machine the engine runs on.
 
-`StepCostModel` predicts the seconds of a decode-only target step from its batch size B (the
-requests) and its rows R (B plus every draft node verified):
+`StepCostModel` predicts the seconds of a decode-only target step of B requests verifying R
+rows (B plus every draft node): t(B, R) = rows(R) + base(B) [+ spec(B) when R > B].
+rows(R) is measured at engine start on one request of R new tokens (`measure`) and refined by
+every live step of one request: nearly flat where a GEMM over 8 rows costs what one row costs,
+linear where it costs 8 times as much. base(B), what B requests cost beyond their rows
+(attention, metadata), is learned from live plain steps (one in PLAIN_EVERY at each batch size,
+`wants_plain`, so that it follows the contexts), with a prior measured at start. spec(B) is
+what steps with drafts cost beyond that, learned per batch size from those steps.
 
-    t(B, R) = rows(R) + base(B) [+ spec(B) when R > B]
+`Realized` checks the model's decisions against the wall clock: per batch-size bucket, the
+seconds per token of whole steps with speculation (drafting, verification and all) against
+those of plain steps, each over the model's plain step time so that growing contexts cancel
+out. Where speculation measures slower it is switched off and tried again in short runs at
+doubling intervals: a model error cannot cost more than a probe.
 
-  * rows(R): computing R token rows (weights read once per step, GEMMs whose cost grows with
-    R in a way that depends on the CPU or GPU: nearly flat where a GEMM over 8 rows costs what
-    one row costs, linear where it costs 8 times as much). Measured at engine start on one
-    request of R new tokens (`measure`), refined by every live step of one request.
-  * base(B): what B requests cost beyond their rows (attention over their contexts, metadata);
-    base(1) = 0. Learned from live plain steps as t - rows(B), with a prior from plain steps
-    of a few requests measured at start.
-  * spec(B), added to steps with drafts only: what such steps of B requests cost beyond
-    rows(R) + base(B), learned from those steps (longer contexts than at calibration make each
-    draft row's attention dearer). It is learned per batch size so that no batch size's
-    steps move the curve the others read. base(B) itself is refreshed by one plain step in
-    PLAIN_EVERY at each batch size (`wants_plain`): the decision compares steps with drafts
-    against plain ones, and a stale base(B) errs by as much as speculation gains.
-
-`Realized` checks the model's decisions against the wall clock: per batch size (in half-octave
-buckets), the seconds per token of whole steps with speculation (drafting, verification and
-all) against those of plain steps, each over the model's plain step time so that contexts
-growing between samples cancel out. Where speculation measures slower it is switched off, and
-tried again in short runs at doubling intervals: a model error cannot cost more than a probe.
-
-`Curve` is the table behind both, and behind drafting costs (seconds of a proposer's call by
-the number of requests it drafts for): non-decreasing, linear between measured points, the
-last slope past the largest. Live samples enter as exponential moving averages, so the model
-follows the machine as it heats up, shares its cores or changes contexts.
-
+`Curve` is the table behind both and behind drafting costs: non-decreasing, linear between
+measured points, the last slope past the largest; live samples enter as moving averages.
 Nothing here is a constant true of one CPU: every number comes from a measurement.
 """
 

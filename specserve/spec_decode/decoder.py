@@ -1,36 +1,30 @@
 """SpecDecoder: the speculative half of Engine.step(), one path for every method.
 
 Every engine has one, speculating or not. Per step:
-  * `tree_parents(sched)`: each request's verify rows as a tree for the target forward (its last
-    committed token as root, then the drafts the scheduler kept, a prefix of its tree), None
-    for chains (causal attention gives the same rows);
-  * `sample_and_verify(sched, step)`: all rows of the step, of every request, in one batched
-    call of specserve.sampling.verify_trees (a request without drafts is a tree without nodes:
-    plain sampling); the accepted paths' KV is moved into place with one compaction per layer;
-    the proposer sees the target features of the newly committed tokens; the policy learns
-    from what was accepted;
-  * `propose(running)`: drafts for the next step. A proposer with a cost per request (an EAGLE
-    or Medusa head, a draft model) drafts where the policy says it pays; prompt lookup (method
-    ngram, and the chain grafted onto every tree of the tree methods) drafts for every
-    request, which costs next to nothing; then the policy keeps, over the whole batch, the
-    nodes worth their rows (specserve.spec_decode.policy).
-Per-request state lives in one place, `self.states`, created at a request's first step and
-dropped by `free` (the engine calls it when a request finishes; a preempted one is reset).
+  * `tree_parents(sched)`: each request's verify rows as a tree for the target forward (root:
+    its last committed token; then the drafts the scheduler kept), None for chains;
+  * `sample_and_verify(sched, step)`: every row of every request in one batched call of
+    specserve.sampling.verify_trees (no drafts: plain sampling); accepted paths' KV moved into
+    place in one call per layer; the proposer shown the new target features; the policy
+    learns from what was accepted;
+  * `propose(running)`: drafts for the next step: a proposer with a cost per request (a head,
+    a draft model) where the policy says it pays, prompt lookup (ngram, and the chain grafted
+    onto every tree) for every request; then the policy keeps, over the whole batch, the nodes
+    worth their rows (specserve.spec_decode.policy).
+Per-request state lives in `self.states`, from a request's first step until `free`.
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from specserve.config import SpecConfig
 from specserve.metrics import SpecLog
 from specserve.model.runner import StepLogits
 from specserve.request import Request, TokenLogprob
-from specserve.sampling import (FlatTrees, SamplingBatch, TokenCounts, apply_penalties, gather_logprobs,
-                                processed_probs, row_counts, verify_trees)
+from specserve.sampling import FlatTrees, TokenCounts, gather_logprobs, verify_targets, verify_trees
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, Proposer
 from specserve.spec_decode.ngram import NgramProposer
@@ -117,9 +111,8 @@ class SpecDecoder:
         if reqs:
             starts = [step.row_start[i] for i in live]
             target, exact, seeds, row_pos, all_exact, coupled = self._target(step.logits, reqs, trees, starts)
-            flat = FlatTrees(starts,
-                                   [(t.tokens, t.parents, t.probs) for t in trees], self.vocab_size,
-                                   step.logits.device)
+            flat = FlatTrees(starts, [(t.tokens, t.parents, t.probs) for t in trees], self.vocab_size,
+                             step.logits.device)
             verdict = verify_trees(target, exact, seeds, row_pos, flat, all_exact, coupled)
             self._compact(sched, live, verdict.accepted)
             for j, (req, tree, i) in enumerate(zip(reqs, trees, live)):
@@ -136,47 +129,20 @@ class SpecDecoder:
         return results
 
     def _target(self, logits: torch.Tensor, reqs: list[Request], trees: list[DraftTree], starts: list[int]):
-        """The verify target per row (greedy: penalised logits; sampled: probabilities) and what
-        verify_trees needs beside it: (target, exact [B], seeds [B], row positions [R], all
-        exact, coupled rows and their seeds or None)."""
-        device = logits.device
+        """The verify target of every row (specserve.sampling.verify_targets), after the
+        grammar's masks, logit_bias and min_tokens (specserve.structured.constrain)."""
         logits = constrain(logits, reqs, [self._state(r) if r.params.structured else None for r in reqs],
                            trees, starts, self.vocab_size)
-        penalties = any(r.params.has_penalties for r in reqs)
-        if not penalties and all(r.params.greedy for r in reqs):  # argmax of the logits: nothing else
-            return logits, None, None, None, True, None
-        params, seeds, positions, counts, extra, coupled = [], [], [], [], [], []
-        for req, tree in zip(reqs, trees):
-            state = self._state(req)
-            if penalties and state.counts is None:
-                state.counts = TokenCounts(req.prompt_token_ids, self.vocab_size, device)
-            ancestors: list[list[int]] = [[]]
-            for p, tok in zip(tree.parents, tree.tokens):
-                ancestors.append(ancestors[p + 1] + [tok])
-            seeded = req.params.seed is not None and not req.params.greedy
-            for anc in ancestors:
-                if seeded:
-                    coupled.append(len(positions))
-                params.append(req.params)
-                seeds.append(req.sampling_seed)
-                positions.append(req.num_tokens + len(anc))
-                if penalties:
-                    counts.append(state.counts.sync(req.all_token_ids))
-                    extra.append(anc)
-        exact_l = [r.params.greedy or r.params.seed is not None for r in reqs]
-        row_pos = torch.tensor(positions, dtype=torch.int64, device=device)
-        exact = torch.tensor(exact_l, dtype=torch.bool, device=device)
-        req_seeds = torch.tensor([r.sampling_seed for r in reqs], dtype=torch.int64, device=device)
-        coupled_rows = None
-        if coupled:
-            coupled_rows = (torch.tensor(coupled, dtype=torch.int64, device=device),
-                            torch.tensor([seeds[i] for i in coupled], dtype=torch.int64, device=device))
-        batch = SamplingBatch.build(params, seeds, positions, self.vocab_size, device,
-                                    row_counts(counts, extra) if penalties else None)
-        target = apply_penalties(logits, batch)
-        if not batch.all_greedy:
-            target = torch.where(batch.greedy[:, None], target, processed_probs(logits, batch))
-        return target, exact, req_seeds, row_pos, all(exact_l), coupled_rows
+        counts = None
+        if any(r.params.has_penalties for r in reqs):
+            counts = [self._counts(r, logits.device) for r in reqs]
+        return verify_targets(logits, reqs, [(t.tokens, t.parents) for t in trees], counts, self.vocab_size)
+
+    def _counts(self, req: Request, device) -> TokenCounts:
+        state = self._state(req)
+        if state.counts is None:
+            state.counts = TokenCounts(req.prompt_token_ids, self.vocab_size, device)
+        return state.counts
 
     def _compact(self, sched: SchedulerOutput, live: list[int], accepted: list[list[int]]) -> None:
         """Move every accepted path's KV next to its root (one call per layer for the step)."""
@@ -190,13 +156,7 @@ class SpecDecoder:
                     src.append(req.block_ids[s // bs] * bs + s % bs)
                     dst.append(req.block_ids[d // bs] * bs + d % bs)
         if src:
-            from specserve.kernels import compact_kv
-
-            device = self.runner.device
-            src_t = torch.tensor(src, dtype=torch.int64, device=device)
-            dst_t = torch.tensor(dst, dtype=torch.int64, device=device)
-            for k_cache, v_cache in self.runner.kv_caches:
-                compact_kv(k_cache, v_cache, src_t, dst_t)
+            self.runner.move_kv(src, dst)
 
     def _learn(self, req: Request, tree: DraftTree, path: list[int]) -> None:
         if not self.speculating:
@@ -303,7 +263,7 @@ class SpecDecoder:
         reqs = [eligible[j][0] for j in chosen]
         batch_in = ProposeBatch(
             [r.request_id for r in reqs], [r.all_token_ids for r in reqs],
-            [min(self.max_drafts, eligible[j][1]) for j in chosen], self._min_score(batch),
+            [min(self.max_drafts, eligible[j][1]) for j in chosen], self.policy.min_score(batch),
             [r.params for r in reqs], [r.sampling_seed for r in reqs], [r.block_ids for r in reqs],
             [r.num_computed_tokens for r in reqs])
         start = time.perf_counter()
@@ -314,12 +274,6 @@ class SpecDecoder:
             trees[j] = tree
             states[j].drafted = True
         return trees, probes
-
-    def _min_score(self, batch: int) -> float:
-        user = self.config.extra.get("min_draft_prob")
-        if user is not None:
-            return float(np.log(user)) if user > 0 else -np.inf
-        return self.policy.min_score(batch)
 
     def _reserve(self, req: Request, room: int) -> bool:
         k = min(self.max_drafts, room)

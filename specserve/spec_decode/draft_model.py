@@ -1,26 +1,18 @@
 """Draft-model proposer: a smaller model with the target's vocabulary drafts a chain.
 
-KV layout: the draft model has its own paged KV tensors with exactly as many blocks as the
-target's (the engine sizes both from one memory budget, `kv_bytes_per_block`), and a
-request's one block table addresses both. So the draft cache needs no allocator of its own:
-allocation, prefix-cache sharing, rollback and freeing of the target's blocks carry over. The
-decoder reserves the slots of the next verify step before drafting (the draft writes its K/V
-into some of them), and passes every request's block table and computed length.
+KV: the draft has its own paged KV tensors with as many blocks as the target's (the engine
+sizes both from one budget), addressed by the request's one block table, so allocation,
+prefix sharing, rollback and freeing carry over. The decoder reserves the next verify step's
+slots before drafting. Per request a cache over committed tokens records what the draft's KV
+holds: positions [0, N) plus the fed drafts; next step the valid prefix is N plus the drafts
+the target accepted, clipped to the target's computed length. The first draft forward of a
+step catches up on every token not seen yet, batched with the other requests.
 
-Validity of the draft's KV is tracked per request as a cache over committed tokens: after
-drafting it holds positions [0, N) (committed) plus the fed drafts d1..d(k-1) at
-[N, N+k-1). At the next step the valid prefix is N plus the drafts the target accepted,
-clipped to the target's computed length (rollback may drop a block). A preempted request is
-forgotten (`free`) and starts from zero; the first draft forward of a step catches the draft up
-on every token it has not seen (the prompt on the first step, the bonus token afterwards),
-batched with the other requests.
-
-Per step: k draft forwards, each batched over all drafting requests. Greedy requests take the
-draft's argmax; sampled requests draw from the draft's distribution under their own
-temperature, top-k, top-p and min-p (penalties are the target's business: verification
-applies them, and any q is exact as long as it is the one drafts were drawn from), with noise
-from a salted copy of their seed, and that distribution travels with the chain (DraftTree.probs).
-Scores are the chain's cumulative log q.
+Per step: k draft forwards, each batched over the drafting requests. Greedy requests take the
+argmax; sampled ones draw from the draft's distribution under their own temperature, top-k,
+top-p and min-p (penalties are verification's business) with noise from their seed (salted
+unless the request is seeded: coupled drafting), and that q travels with the chain
+(DraftTree.probs). Scores are the chain's cumulative log q.
 """
 
 from __future__ import annotations
@@ -170,7 +162,3 @@ def _no_penalties(p: SamplingParams) -> SamplingParams:
     if not p.has_penalties:
         return p
     return replace(p, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
-
-
-def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize

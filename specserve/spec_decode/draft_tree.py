@@ -1,16 +1,13 @@
 """DraftTree, the one record every proposer returns, and the Proposer protocol with its inputs.
 
-A draft is a tree of candidate tokens that hangs off a request's last committed token (the
-root). Nodes are listed parents first; `parents[i]` is the index of node i's parent, or -1 for
-a child of the root. A chain (n-gram, draft model) is the tree whose node i has parent i - 1.
-Sibling tokens are distinct (verification tries each token once).
-
-`probs` is the distribution each node was drawn from (q in the rejection rule) when the
-method samples its drafts (a draft model on a sampled request); such a tree is a chain. None
-means every node is one-hot (prompt lookup, top-k candidates of a head), which keeps
-verification exact for sampled requests too. `scores` are the proposer's own confidence in
-each node: the log-probability, under the draft, of the whole path from the root to the node
-(None for methods without one: the cost model then uses measured acceptance by depth).
+A draft is a tree of candidate tokens hanging off a request's last committed token (the
+root). Nodes come parents first; `parents[i]` is node i's parent, -1 for a child of the root.
+A chain (n-gram, draft model) is the tree whose node i has parent i - 1. Siblings are distinct.
+`probs`: the distribution each node was drawn from (q of the rejection rule) when the method
+samples its drafts (a draft model on a sampled request; such a tree is a chain); None means
+one-hot nodes (lookup, a head's top-k), exact for sampled requests too. `scores`: the log
+draft probability of each node's whole path (None for methods without one: the cost model
+then uses measured acceptance by depth).
 """
 
 from __future__ import annotations
@@ -30,13 +27,6 @@ class DraftTree:
     parents: list[int]  # [n] parent node index, -1 for children of the root
     probs: torch.Tensor | None = None  # [n, V] draft distribution per node (chains only), None = one-hot
     scores: list[float | None] | None = None  # [n] log P_draft(path to the node), None = no score
-
-    def check(self) -> "DraftTree":
-        """Assert the invariants above (tests call it on every proposer's trees)."""
-        assert len(self.tokens) == len(self.parents) and all(-1 <= p < i for i, p in enumerate(self.parents))
-        assert len(set(zip(self.parents, self.tokens))) == len(self.tokens), "sibling tokens are distinct"
-        assert self.probs is None or (self.probs.shape[0] == len(self.tokens) and self.is_chain)
-        return self
 
     @staticmethod
     def chain(tokens: Sequence[int], probs: torch.Tensor | None = None,

@@ -1,31 +1,25 @@
 """EagleProposer: EAGLE-2 dynamic draft trees from a feature-level head, batched over requests.
 
-Per request the proposer keeps a cache, never the truth: the target features f_base.. it was
-shown (`observe`) and the head's K/V for the committed pairs (f_t, x_{t+1}), t < P
-(specserve.spec_decode.eagle_head). `propose` drafts for a batch of requests:
+Per request the proposer keeps a cache, never the truth: the target features it was shown
+(`observe`) and the head's K/V of the committed pairs (f_t, x_{t+1}), t < P
+(specserve.spec_decode.eagle_head). `propose`, for a batch of requests:
 
-  1. catch up: one head pass over every request's committed pairs it has not run yet (the last
-     step's accepted tokens; everything since the request was last drafted for, when the cost
-     model had paused it; the prompt on its first step); its last output f_hat_n gives the
-     root's draft distribution. Long catch-ups run alone, short ones together;
-  2. grow (EAGLE-2, Li et al. 2024): depth 1 takes the top-k tokens of the root distribution,
-     scored by their log-probability; each further depth runs the k best-scored nodes of the
-     last depth of every request through the head in one pass (each sees its request's
-     committed pairs, its tree ancestors and itself) and each adds its top-k children with
-     score = parent score + log q(child);
-  3. rerank: each request's m best-scored nodes (ancestors always score at least as high as
-     their descendants, so the set is a tree), parents first.
-Nodes scoring below `batch.min_score` (the cost model's threshold: such nodes cannot pay for
-their row) are neither expanded nor returned, so an unsure head drafts small trees or none.
+  1. catch up: one head pass over every request's committed pairs not run yet (the last
+     step's accepted tokens; all since the request was last drafted for; the prompt at first);
+     its last output gives the root's draft distribution;
+  2. grow (EAGLE-2, Li et al. 2024): depth 1 takes the root's top-k tokens scored by their
+     log-probability; each further depth runs the k best nodes of the last depth of every
+     request through the head in one pass (each sees its request's pairs, its ancestors and
+     itself) and adds their top-k children, score = parent score + log q(child);
+  3. rerank: each request's m best-scored nodes (a tree: ancestors score at least as high),
+     parents first.
+Nodes scoring below `batch.min_score` (the cost model's: they cannot pay their row) are neither
+expanded nor returned. Linear layers, LM head and top-k run once per pass for the batch, with
+one host transfer per depth; attention reads each request's head K/V in place.
 
-The linear layers, the LM head and the top-k of a pass run once for the whole batch, and one
-host transfer per depth brings back every request's candidates; attention reads each
-request's head K/V in place (one small attention call per request).
-
-Nodes are the deterministic top-k of the draft, so trees carry no probabilities (one-hot q):
-verification stays exact under sampling. Scores travel with the tree for the cost model.
-The head scores a restricted vocabulary when its checkpoint has `d2t` (the N most frequent
-tokens): logits = f_hat @ W_lm[d2t].T, and draft ids map back through d2t.
+Nodes are the draft's deterministic top-k, so trees carry no probabilities (one-hot q) and
+verification stays exact under sampling. With `d2t` in the checkpoint the head scores only
+those N frequent tokens (logits = f_hat @ W_lm[d2t].T) and ids map back through d2t.
 """
 
 from __future__ import annotations
@@ -42,7 +36,6 @@ from specserve.spec_decode.eagle_head import HeadKV, Segment
 from specserve.spec_decode.quant import draft_lm_head
 
 DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smollm2-135m"
-MAX_BATCHED_CATCH_UP = 16  # longer catch-ups (a prompt) run in a pass of their own
 
 
 @dataclass
@@ -89,10 +82,7 @@ class EagleProposer:
         self.head.rotary.float()
         self.embed = (embed.to(self.device, self.dtype) if embed is not None
                       else target_model.embed_tokens.weight)
-        self.d2t = d2t.to(self.device) if d2t is not None else None
-        w = target_model.lm_head.weight
-        lm_weight = w.index_select(0, self.d2t) if d2t is not None else w  # [N, hidden]
-        self._lm_head = draft_lm_head(self.head, lm_weight, quantize)  # int8 head: spec_decode.quant
+        self._lm_head, self.d2t = draft_lm_head(self.head, param, d2t, quantize)  # spec_decode.quant
         self.cache: dict[str, _HeadCache] = {}
 
     # -- state ------------------------------------------------------------------------------------
@@ -130,32 +120,23 @@ class EagleProposer:
         return out
 
     def _catch_up(self, caches: list[_HeadCache], token_ids: list[list[int]]) -> None:
-        """Run the head over every committed pair up to the last token of each request."""
-        short, rows = [], ([], [], [], [])  # (caches, n); feats, ids, positions, segments
+        """Run the head over every committed pair up to the last token of each request, in one
+        pass for all of them."""
+        todo, rows = [], ([], [], [], [])  # (cache, n); feats, ids, positions, segments
         for c, tokens in zip(caches, token_ids):
             n = len(tokens) - 1 - c.base  # pairs up to the last committed token
             if c.pairs == n and c.last_out is not None:
                 continue
             p = min(c.pairs, n - 1)  # rolled back exactly to here: recompute the last pair
-            group = [(c, n)]
-            feats, ids = c.feats[p:n], tokens[c.base + p + 1:c.base + n + 1]
-            positions = list(range(c.base + p, c.base + n))
-            segment = Segment(c.kv, p, n - p, None)
-            if n - p > MAX_BATCHED_CATCH_UP:  # alone
-                self._finish_catch_up(group, self._pass(feats, ids, positions, [segment]), [n - p])
-                continue
-            short.append((c, n))
-            for acc, new in zip(rows, (feats, ids, positions, [segment])):
+            todo.append((c, n))
+            for acc, new in zip(rows, (c.feats[p:n], tokens[c.base + p + 1:c.base + n + 1],
+                                       range(c.base + p, c.base + n), [Segment(c.kv, p, n - p, None)])):
                 acc.extend(new)
-        if short:
+        if todo:
             out = self._pass(*rows)
-            self._finish_catch_up(short, out, [seg.rows for seg in rows[3]])
-
-    @staticmethod
-    def _finish_catch_up(group, out: torch.Tensor, sizes: list[int]) -> None:
-        ends = torch.tensor(sizes).cumsum(0) - 1
-        for (c, n), end in zip(group, ends.tolist()):
-            c.pairs, c.last_out = n, out[end]
+            ends = torch.tensor([seg.rows for seg in rows[3]]).cumsum(0) - 1
+            for (c, n), end in zip(todo, ends.tolist()):
+                c.pairs, c.last_out = n, out[end]
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:

@@ -37,10 +37,9 @@ def read_weights(model_dir: Path, names: tuple[str, ...]) -> dict[str, torch.Ten
     raise ValueError(f"speculative_config: no weights ({', '.join(names)}) in {model_dir}")
 
 
-def _check_compatible(arch: ModelArch, target: ModelArch, what: str) -> None:
-    if arch.hidden_size != target.hidden_size:
-        raise ValueError(f"speculative_config: {what} has hidden size {arch.hidden_size}, "
-                         f"the target {target.hidden_size}")
+def _check_hidden(hidden: int, target: ModelArch, what: str) -> None:
+    if hidden != target.hidden_size:
+        raise ValueError(f"speculative_config: {what} have hidden size {hidden}, the target {target.hidden_size}")
 
 
 def load_eagle(model_dir: Path | str, target: ModelArch, max_positions: int = 8192):
@@ -52,7 +51,7 @@ def load_eagle(model_dir: Path | str, target: ModelArch, max_positions: int = 81
     cfg.setdefault("model_type", "llama")
     cfg.setdefault("vocab_size", target.vocab_size)
     arch = ModelArch.from_dict(cfg)
-    _check_compatible(arch, target, "the EAGLE head")
+    _check_hidden(arch.hidden_size, target, "the EAGLE head's layers")
     state = read_weights(model_dir, ("model.safetensors", "pytorch_model.bin"))
     state = {k.removeprefix("model."): v for k, v in state.items()}
     d2t = state.pop("d2t", None)
@@ -81,9 +80,7 @@ def load_medusa(model_dir: Path | str, target: ModelArch):
     num_layers = int(cfg.get("medusa_num_layers", 1))
     own_lm_head = f"0.{num_layers}.weight" in state
     hidden = state["0.0.linear.weight"].shape[1]
-    if hidden != target.hidden_size:
-        raise ValueError(f"speculative_config: Medusa heads have hidden size {hidden}, "
-                         f"the target {target.hidden_size}")
+    _check_hidden(hidden, target, "Medusa heads")
     vocab = state[f"0.{num_layers}.weight"].shape[0] if own_lm_head else 0
     heads = MedusaHeads(num_heads, num_layers, hidden, vocab)
     heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)

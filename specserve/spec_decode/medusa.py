@@ -65,14 +65,11 @@ DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
 
 def tree_from_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
     """Validated, sorted (shorter first) rank paths no deeper than the heads reach."""
-    bad = ValueError("speculative_config.medusa_tree: expected a non-empty list of paths, each "
-                     "a non-empty list of ranks (integers >= 0)")
-    if not isinstance(choices, (list, tuple)) or not choices:
-        raise bad
-    for c in choices:
-        if (not isinstance(c, (list, tuple)) or not c
-                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in c)):
-            raise bad
+    is_rank = lambda r: isinstance(r, int) and not isinstance(r, bool) and r >= 0  # noqa: E731
+    if not (isinstance(choices, (list, tuple)) and choices and all(
+            isinstance(c, (list, tuple)) and c and all(map(is_rank, c)) for c in choices)):
+        raise ValueError("speculative_config.medusa_tree: expected a non-empty list of paths, each "
+                         "a non-empty list of ranks (integers >= 0)")
     paths = sorted({tuple(c) for c in choices if len(c) <= num_heads}, key=lambda c: (len(c), c))
     if not paths:
         raise ValueError(f"speculative_config.medusa_tree: every path is deeper than the "
@@ -102,9 +99,7 @@ class MedusaProposer:
         self.device, self.dtype = w.device, w.dtype
         heads, d2t = load_medusa(heads_dir, target_model.arch)
         self.heads = heads.to(self.device, self.dtype)
-        self.d2t = d2t.to(self.device) if d2t is not None else None
-        lm_weight = w.index_select(0, self.d2t) if d2t is not None else w
-        self.lm_head = draft_lm_head(self.heads, lm_weight, quantize)  # int8 heads: spec_decode.quant
+        self.lm_head, self.d2t = draft_lm_head(self.heads, w, d2t, quantize)  # spec_decode.quant
         self.paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)

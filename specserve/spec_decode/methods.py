@@ -1,15 +1,10 @@
 """Speculative methods: configuration checks, the default method, and the decoder's parts.
 
-`validate(config)` rejects bad values when the engine starts (unknown method, k < 1, lookup
-bounds out of order, a key the method would ignore); `resolve(config, model)` turns the
-default method "auto" into a real one; `kv_bytes_per_block` tells the engine how much KV
-memory the method adds per block (a draft model's own cache) before any cache is allocated;
-`make_decoder` builds the SpecDecoder with its proposer, its prompt lookup and its policy:
-
-    ngram        prompt lookup alone (specserve.spec_decode.ngram)
-    draft_model  specserve.spec_decode.draft_model.DraftModelProposer
-    eagle        specserve.spec_decode.eagle.EagleProposer, plus a grafted lookup chain
-    medusa       specserve.spec_decode.medusa.MedusaProposer, plus a grafted lookup chain
+`validate` rejects bad values at engine start; `resolve` turns the default method "auto" into
+a real one; `kv_bytes_per_block` is the KV memory a method adds per block (a draft model's
+cache); `make_decoder` builds the SpecDecoder with its proposer, prompt lookup and policy:
+ngram (lookup alone), draft_model (draft_model.DraftModelProposer), eagle (eagle.EagleProposer)
+and medusa (medusa.MedusaProposer), the last two with a grafted lookup chain.
 """
 
 from __future__ import annotations
@@ -88,7 +83,8 @@ def kv_bytes_per_block(config: SpecConfig, target_arch, block_size: int, dtype) 
     """Extra KV bytes per block the method needs beside the target's (a draft model's cache)."""
     if config.method != "draft_model":
         return 0
-    from specserve.spec_decode.draft_model import draft_arch, kv_bytes_per_block as per_block
+    from specserve.model.runner import kv_bytes_per_block as per_block
+    from specserve.spec_decode.draft_model import draft_arch
 
     return per_block(draft_arch(config.model, target_arch)[1], block_size, dtype)
 
@@ -124,7 +120,7 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
     if adaptive:
         rows = min(scheduler_config.max_num_batched_tokens, 64)
         cost = StepCostModel.measure(runner, kv, rows)
-    policy = SpecPolicy(cost, max(chain, k, 1), adaptive)
+    policy = SpecPolicy(cost, max(chain, k, 1), adaptive, config.extra.get("min_draft_prob"))
     return SpecDecoder(config, runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens,
                        proposer, lookup, policy, max_drafts)
 

@@ -1,16 +1,11 @@
 """Prompt lookup: copy what followed the context's suffix earlier on.
 
-For each request, the longest suffix of its committed tokens, between prompt_lookup_max and
-prompt_lookup_min tokens long, is looked up in the earlier part of prompt + output; the most
-recent occurrence wins, and the k tokens that followed it become a one-hot chain. When the
-match is so recent that fewer than k tokens follow it (a repeating pattern), the copy
-continues over its own output, so a period-p loop still yields k tokens.
-
-Method "ngram" drafts with this alone; the tree methods graft its chain onto every tree. Each
-request keeps a growing numpy copy of its tokens (only new tokens are appended per step), and
-a lookup is a few vectorised comparisons over the context: tens of microseconds at 4k tokens
-(see docs/speculation.md). No model, no probabilities, no scores: the cost model values its
-nodes by the acceptance measured at each depth.
+For each request, the longest suffix of its committed tokens (prompt_lookup_max down to
+prompt_lookup_min tokens) is looked up in the earlier prompt + output; the k tokens after its
+most recent occurrence become a one-hot chain (continuing over the copy itself when the match
+is recent, so a period-p loop still yields k tokens). Method "ngram" drafts with this alone;
+the tree methods graft its chain onto every tree. Each request keeps a growing numpy copy of
+its tokens; a lookup is a few vectorised comparisons (tens of microseconds at 4k tokens).
 """
 
 from __future__ import annotations

@@ -1,28 +1,23 @@
 """How much to draft and verify, from measured costs and measured acceptance.
 
-The one draft-budget policy of every method. Its unit is the throughput of the next step:
-a plain step of B requests emits B tokens in t(B, B) seconds (StepCostModel); verifying n
-draft nodes emits B + (expected accepted nodes) tokens in t(B, B + n) seconds. Decisions:
+The one draft-budget policy of every method. A plain step of B requests emits B tokens in
+t(B, B) seconds (StepCostModel); verifying n draft nodes emits B + (expected accepted nodes)
+tokens in t(B, B + n) seconds.
 
-  * Node values. v(node) = P(the node ends on the accepted path). Scored nodes (a head's or
+  * Node values: v(node) = P(the node ends on the accepted path). Scored nodes (a head's or a
     draft model's path probability) read it from `ScoreCalibration`, learned from every
     verified scored node; lookup nodes from `DepthAcceptance`, the request's own acceptance
-    rate at each depth (shrunk towards the decoder-wide rate there). A child's value never
-    exceeds its parent's, so the nodes of highest value always form trees.
-  * Selection (`select`): all candidate nodes of the batch, highest value first; the count n
-    maximising (B + sum of the first n values) / t(B, B + n) is verified, none unless that beats
-    the plain rate by `MARGIN`. So rows that cost nearly nothing get long drafts, rows that
-    cost what a token costs get none, and at high concurrency a verify row competes with every
-    other request's rows. The sweep handles cost curves of any shape (a costly first row and
-    cheap later ones, say).
-  * Drafting (`draft_pays`): a proposer that costs time per request (a head, a draft model)
-    runs for a request only while its expected accepted tokens per step pay for its share of
-    the drafting time plus its rows at the current price; otherwise the request is gated off
-    and probed again after `probe` steps (doubling while probes fail).
-  * Expansion threshold (`min_score`): tree nodes whose calibrated value cannot pay even the
-    cheapest row at this batch size are neither expanded nor returned.
-With "adaptive": false every decision is off: the proposer drafts its maximum and all of it is
-verified.
+    at each depth shrunk towards the decoder-wide rate. A child is never worth more than its
+    parent, so the most valuable nodes always form trees.
+  * `select`: all candidate nodes of the batch, most valuable first; the count n maximising
+    (B + sum of the first n values) / t(B, B + n) is verified, none unless that beats plain by
+    `MARGIN`. Cheap rows get long drafts, rows costing what a token costs get none, and under
+    load a verify row competes with every other request's rows.
+  * `draft_pays`: a proposer with a cost per request (a head, a draft model) drafts for a
+    request only while its expected accepted tokens pay for its share of the drafting time
+    and its rows; otherwise the request is probed again after doubling intervals.
+  * `min_score`: tree nodes that cannot pay the cheapest row are neither expanded nor returned.
+With "adaptive": false the proposer drafts its maximum and all of it is verified.
 """
 
 from __future__ import annotations
@@ -110,9 +105,11 @@ class RequestState:
 
 
 class SpecPolicy:
-    def __init__(self, cost: StepCostModel | None, max_depth: int, adaptive: bool = True) -> None:
+    def __init__(self, cost: StepCostModel | None, max_depth: int, adaptive: bool = True,
+                 min_draft_prob: float | None = None) -> None:
         self.cost = cost
         self.adaptive = adaptive and cost is not None
+        self.min_draft_prob = min_draft_prob  # the user's fixed cut instead of the cost model's
         self.max_depth = max_depth
         self.lookup = DepthAcceptance(max_depth, decay=0.98)  # decoder-wide prior by depth
         self.scores = ScoreCalibration()
@@ -132,6 +129,8 @@ class SpecPolicy:
 
     def min_score(self, batch: int) -> float:
         """Nodes below this score cannot pay the cheapest row at this batch size."""
+        if self.min_draft_prob is not None:
+            return math.log(self.min_draft_prob) if self.min_draft_prob > 0 else -math.inf
         if not self.adaptive:
             return -math.inf
         price = min(self.cost.row_price(batch, n) for n in (1, 2, 4, 8, 16, 32))

@@ -16,15 +16,19 @@ from specserve.model.quant import Int8Linear, int8_pays, quantize_linears
 QUANTIZATIONS = ("auto", "int8", "none")
 
 
-def draft_lm_head(heads: nn.Module, lm_weight: torch.Tensor, quantize: bool):
-    """A draft's weights as its proposer uses them: with quantize, every nn.Linear of heads is
-    made int8 in place and so is the (maybe restricted) LM head lm_weight [N, hidden].
-    Returns the LM head, a callable [rows, hidden] -> [rows, N]."""
+def draft_lm_head(heads: nn.Module, weight: torch.Tensor, d2t: torch.Tensor | None, quantize: bool):
+    """A draft's weights as its proposer uses them: the target's LM head weight [V, hidden],
+    restricted to the draft vocabulary d2t when there is one; with quantize, it and every
+    nn.Linear of heads (in place) in int8. Returns (the LM head, a callable [rows, hidden] ->
+    [rows, N]; d2t on the weight's device or None)."""
+    if d2t is not None:
+        d2t = d2t.to(weight.device)
+        weight = weight.index_select(0, d2t)
     if quantize:
         quantize_linears(heads)
-        return Int8Linear(lm_weight, None)
-    weight_t = lm_weight.t().contiguous()  # [hidden, N]: skinny products read it faster
-    return lambda x: x @ weight_t
+        return Int8Linear(weight, None), d2t
+    weight_t = weight.t().contiguous()  # [hidden, N]: skinny products read it faster
+    return (lambda x: x @ weight_t), d2t
 
 
 def check_quantization(value, device: torch.device, hidden: int, intermediate: int,
