@@ -147,7 +147,10 @@ def _time_draft_network(engine, total: list[float]) -> list:
                getattr(getattr(proposer, "runner", None), "model", None)]
     started: list[float] = []
     hooks = []
-    modules += [m for head in (modules[1] or []) for m in head]  # Medusa: its blocks are called one by one
+    from torch import nn
+
+    if modules[1] is not None and type(modules[1]).forward is nn.ModuleList.forward:
+        modules += [m for head in modules[1] for m in head]  # older Medusa: blocks called one by one
     for m in modules:
         if m is None:
             continue

@@ -139,6 +139,10 @@ class DraftModelProposer:
 
     def _sample(self, logits: torch.Tensor, batch: ProposeBatch, rows: list[int], done: list[int]):
         """Draft token per row, its log q, and the draft distribution q [B, V] (None: all greedy)."""
+        greedy_ids = logits.argmax(-1)
+        if all(batch.params[j].greedy for j in rows):
+            logq = torch.log_softmax(logits, -1).gather(1, greedy_ids[:, None])[:, 0]
+            return greedy_ids.tolist(), logq.tolist(), None
         params = [_no_penalties(batch.params[j]) for j in rows]
         positions = [len(batch.token_ids[j]) + d for j, d in zip(rows, done)]
         # a seeded request is verified against the target's own draws (coupled): drafting with
@@ -147,10 +151,6 @@ class DraftModelProposer:
         seeds = [batch.seeds[j] if batch.params[j].seed is not None else batch.seeds[j] ^ _DRAFT_SEED_SALT
                  for j in rows]
         b = SamplingBatch.build(params, seeds, positions, self.vocab_size, logits.device)
-        greedy_ids = logits.argmax(-1)
-        if b.all_greedy:
-            logq = torch.log_softmax(logits, -1).gather(1, greedy_ids[:, None])[:, 0]
-            return greedy_ids.tolist(), logq.tolist(), None
         q = processed_probs(logits, b)
         noise = exponential_noise(b.seeds, b.positions, self.vocab_size)
         ids = torch.where(b.greedy, greedy_ids, (q / noise.to(q.dtype)).argmax(-1))

@@ -41,17 +41,23 @@ class MedusaHeads(nn.ModuleList):
         super().__init__(heads)
         self.num_heads, self.num_layers, self.hidden_size, self.vocab = num_heads, num_layers, hidden, vocab
 
-    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x: [..., hidden] -> K tensors [..., hidden] (before any LM head)."""
-        return [head[:self.num_layers](x) for head in self]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden] -> [K, N, hidden]: each head's residual blocks (before any LM head)."""
+        out = []
+        for head in self:
+            f = x
+            for i in range(self.num_layers):
+                f = head[i](f)
+            out.append(f)
+        return torch.stack(out)
 
     def logits(self, x: torch.Tensor, lm_head) -> torch.Tensor:
-        """x: [N, hidden] -> [K, N, V'] with each head's own LM head, else `lm_head`
-        ([N, hidden] -> [N, V'], the target's, maybe restricted)."""
-        out = []
-        for head, f in zip(self, self.features(x)):
-            out.append(head[self.num_layers](f) if self.vocab else lm_head(f))
-        return torch.stack(out)
+        """x: [N, hidden] -> [K, N, V'] with each head's own LM head, else `lm_head` ([rows,
+        hidden] -> [rows, V'], the target's, maybe restricted; one product for all heads)."""
+        feats = self(x)
+        if self.vocab:
+            return torch.stack([head[self.num_layers](f) for head, f in zip(self, feats)])
+        return lm_head(feats.reshape(-1, feats.shape[-1])).view(*feats.shape[:2], -1)
 
 
 # depth-1..4 paths of top-k ranks; every prefix of a path is itself in the list
