@@ -54,7 +54,7 @@ def profile(llm, batch: int, context: int, steps: int) -> dict:
     words = ("the quick brown fox jumps over the lazy dog while a slow green turtle walks "
              "along the river bank ").split()
     text = " ".join(words[i % len(words)] for i in range(context))
-    ids = llm.tokenizer.encode(text)[:context]
+    ids = llm.get_tokenizer().encode(text)[:context]
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for b in range(batch):
         engine.add_request(f"p{batch}-{b}", ids, params)
