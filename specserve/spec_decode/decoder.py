@@ -20,7 +20,6 @@ import time
 
 import torch
 
-from specserve.config import SpecConfig
 from specserve.metrics import SpecLog
 from specserve.model.runner import StepLogits
 from specserve.request import Request, TokenLogprob
@@ -36,10 +35,9 @@ NO_DRAFTS = DraftTree([], [])
 
 
 class SpecDecoder:
-    def __init__(self, config: SpecConfig, runner, kv, stats, max_model_len: int, max_num_batched_tokens: int,
+    def __init__(self, runner, kv, stats, max_model_len: int, max_num_batched_tokens: int,
                  proposer: Proposer | None = None, lookup: NgramProposer | None = None,
                  policy: SpecPolicy | None = None, max_drafts: int = 0) -> None:
-        self.config = config
         self.runner, self.kv, self.stats = runner, kv, stats
         self.vocab_size = runner.arch.vocab_size
         self.max_model_len = max_model_len

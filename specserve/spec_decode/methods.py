@@ -95,7 +95,7 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
     from specserve.spec_decode.decoder import SpecDecoder
 
     if config.method is None:
-        return SpecDecoder(config, runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens)
+        return SpecDecoder(runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens)
     from specserve.spec_decode.cost_model import StepCostModel
     from specserve.spec_decode.ngram import NgramProposer
     from specserve.spec_decode.policy import SpecPolicy
@@ -121,7 +121,7 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
         rows = min(scheduler_config.max_num_batched_tokens, 64)
         cost = StepCostModel.measure(runner, kv, rows)
     policy = SpecPolicy(cost, max(chain, k, 1), adaptive, config.extra.get("min_draft_prob"))
-    return SpecDecoder(config, runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens,
+    return SpecDecoder(runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens,
                        proposer, lookup, policy, max_drafts)
 
 
