@@ -163,6 +163,12 @@ class ToolParser(ABC):
         return [{k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
                 for t in tools]
 
+    @classmethod
+    def _tool_lines(cls, tools: list[dict[str, Any]], sep: str) -> str:
+        """Each tool as an OpenAI-style {"type": "function", "function": ...} JSON line."""
+        return sep.join(json.dumps({"type": "function", "function": t}, ensure_ascii=False)
+                        for t in cls._tool_list(tools))
+
 
 class _MarkerParser(ToolParser):
     """Formats whose calls sit in `<tool_call>...</tool_call>` blocks after optional content. A
@@ -230,8 +236,7 @@ class HermesToolParser(_MarkerParser):
     name = "hermes"
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listed = "\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False)
-                           for t in self._tool_list(tools))
+        listed = self._tool_lines(tools, "\n")
         return (
             "# Tools\n\nYou may call one or more functions to answer. The function signatures "
             f"are inside <tools></tools>:\n<tools>\n{listed}\n</tools>\n\n"
@@ -261,8 +266,7 @@ class Llama3JsonToolParser(ToolParser):
     python_tag = "<|python_tag|>"
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        listed = "\n\n".join(json.dumps({"type": "function", "function": t}, ensure_ascii=False)
-                             for t in self._tool_list(tools))
+        listed = self._tool_lines(tools, "\n\n")
         return (
             "You have access to the functions below. To call one, reply with only a JSON object "
             'of the form {"name": function name, "parameters": an object of argument names and '
