@@ -123,6 +123,7 @@ def verify_targets(logits: torch.Tensor, requests, trees: list[tuple[list[int], 
         for p, tok in zip(parents, tokens):
             ancestors.append(ancestors[p + 1] + [tok])
         seeded = req.params.seed is not None and not req.params.greedy
+        own = counts[b].sync(req.all_token_ids) if counts is not None else None
         for anc in ancestors:
             if seeded:
                 coupled.append(len(positions))
@@ -130,7 +131,7 @@ def verify_targets(logits: torch.Tensor, requests, trees: list[tuple[list[int], 
             seeds.append(req.sampling_seed)
             positions.append(req.num_tokens + len(anc))
             if counts is not None:
-                row_counts_of.append(counts[b].sync(req.all_token_ids))
+                row_counts_of.append(own)
                 extra.append(anc)
     exact_l = [r.params.greedy or r.params.seed is not None for r in requests]
     tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
