@@ -12,7 +12,14 @@ tokens in t(B, B + n) seconds.
   * `select`: all candidate nodes of the batch, most valuable first; the count n maximising
     (B + sum of the first n values) / t(B, B + n) is verified, none unless that beats plain by
     `MARGIN`. Cheap rows get long drafts, rows costing what a token costs get none, and under
-    load a verify row competes with every other request's rows.
+    load a verify row competes with every other request's rows. No request may be slowed
+    down for the others: the step may cost at most (expected tokens of its worst-served
+    request) plain steps, `FAIRNESS` aside. A request without drafts (no lookup match, its
+    head gated off) emits one token either way, so its presence caps the step near a plain
+    one. Without this, a batch of requests of equal length that would run in lock step
+    drifts apart: the accepting ones finish early and the rest run at half speed, so the last
+    request of a batch (what a user waits for, and what a closed-loop load measures) ends
+    later than without speculation.
   * `draft_pays`: a proposer with a cost per request (a head, a draft model) drafts for a
     request only while its expected accepted tokens pay for its share of the drafting time
     and its rows; otherwise the request is probed again after doubling intervals.
@@ -32,6 +39,7 @@ from specserve.spec_decode.draft_tree import DraftTree
 
 MARGIN = 0.10  # speculate only when the predicted step rate beats plain by this much (the
 # prediction errs by about this much under load: contexts drift, acceptance is an estimate)
+FAIRNESS = 0.05  # how much slower than in a plain step a request may advance in a step with drafts
 PROBE_FIRST, PROBE_MAX = 8, 128  # steps between probes of a gated-off request (doubling)
 SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0001])
 
@@ -173,7 +181,9 @@ class SpecPolicy:
 
     def select(self, batch: int, trees: list[DraftTree], values: list[np.ndarray],
                probes: list[bool], max_rows: int) -> list[list[int]]:
-        """Nodes to verify per tree (parents first), maximising the step's expected rate."""
+        """Nodes to verify per tree (parents first), maximising the step's expected rate with
+        no request advancing slower than in a plain step. `trees` are those of the requests
+        with drafts; the other batch - len(trees) requests have none."""
         if not self.adaptive:
             return [list(range(len(t))) for t in trees]
         nodes = [(-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
@@ -184,7 +194,10 @@ class SpecPolicy:
         if nodes:
             gained = batch - np.cumsum([n[0] for n in nodes])  # tokens after the first n nodes
             n_rows = batch + np.arange(1, len(nodes) + 1)
-            rates = gained / self.cost.step_times(batch, n_rows)
+            times = self.cost.step_times(batch, n_rows)
+            rates = gained / times
+            worst = self._worst_served(nodes, len(trees), batch)
+            rates[worst < times / self.cost.step_time(batch, batch) * (1 - FAIRNESS)] = 0.0
             best = int(np.argmax(rates))
             if rates[best] > self.plain_rate(batch) * (1 + MARGIN):
                 for _, _, b, i in nodes[:best + 1]:
@@ -193,6 +206,16 @@ class SpecPolicy:
             if probe and not keep[b] and len(trees[b]):
                 keep[b] = [0]
         return keep
+
+    @staticmethod
+    def _worst_served(nodes: list[tuple], num_trees: int, batch: int) -> np.ndarray:
+        """[n] the least expected tokens of any request of the batch after the first n nodes."""
+        if num_trees < batch:
+            return np.ones(len(nodes))
+        owner = np.array([n[2] for n in nodes])
+        gains = np.zeros((len(nodes), num_trees))
+        gains[np.arange(len(nodes)), owner] = [-n[0] for n in nodes]
+        return 1.0 + np.cumsum(gains, axis=0).min(axis=1)
 
     # -- learning --------------------------------------------------------------------------------
     def observe(self, state: RequestState, tree: DraftTree, path: list[int], chain_nodes: list[int]) -> None:
