@@ -99,6 +99,20 @@ def test_no_request_is_slowed_down_for_the_others():
     assert select(policy, 16, [chain_tree(4, 0.95)] * 16) == [list(range(4))] * 16
 
 
+def test_probes_stay_within_the_others_slow_down_budget():
+    """A request that has not verified for long gets its best node verified anyway, but at 16
+    requests only as many such rows as slow the step by FAIRNESS; alone, it always probes."""
+    f = lambda r: 0.01 * r  # noqa: E731
+    policy = calibrated(SpecPolicy(model(f, per_request=0.02), max_depth=16))
+    trees = [chain_tree(4, 0.3)] * 16
+    values = [policy.values(policy.new_state(), t) for t in trees]
+    keep = policy.select(16, trees, values, [True] * 16, 4096)
+    rows = sum(map(len, keep))
+    assert 0 < rows < 16 and all(k in ([], [0]) for k in keep)
+    assert policy.cost.step_time(16, 16 + rows) <= policy.cost.step_time(16, 16) / (1 - FAIRNESS)
+    assert policy.select(1, trees[:1], values[:1], [True], 4096) == [[0]]
+
+
 def test_a_head_that_does_not_pay_is_gated_off_and_probed():
     policy = SpecPolicy(model(lambda r: 0.05 + 0.001 * r), max_depth=4)
     policy.draft_cost.update(1, 0.2)  # a head pass costs four target steps

@@ -191,20 +191,25 @@ class SpecPolicy:
         nodes.sort()
         nodes = nodes[:max(0, max_rows - batch)]
         keep: list[list[int]] = [[] for _ in trees]
+        plain = self.cost.step_time(batch, batch)
+        limit, rows = plain / (1 - FAIRNESS), 0  # what probes may bring the step to
         if nodes:
             gained = batch - np.cumsum([n[0] for n in nodes])  # tokens after the first n nodes
             n_rows = batch + np.arange(1, len(nodes) + 1)
             times = self.cost.step_times(batch, n_rows)
             rates = gained / times
             worst = self._worst_served(nodes, len(trees), batch)
-            rates[worst < times / self.cost.step_time(batch, batch) * (1 - FAIRNESS)] = 0.0
+            rates[worst < times / plain * (1 - FAIRNESS)] = 0.0
             best = int(np.argmax(rates))
             if rates[best] > self.plain_rate(batch) * (1 + MARGIN):
                 for _, _, b, i in nodes[:best + 1]:
                     keep[b].append(i)
-        for b, probe in enumerate(probes):  # a request that has not verified for long probes
-            if probe and not keep[b] and len(trees[b]):
-                keep[b] = [0]
+                limit, rows = max(limit, times[best]), best + 1
+        for b, probe in enumerate(probes):  # a request that has not verified for long probes,
+            if probe and not keep[b] and len(trees[b]):  # within the others' slow-down budget
+                if batch > 1 and self.cost.step_time(batch, batch + rows + 1) > limit:
+                    break
+                keep[b], rows = [0], rows + 1
         return keep
 
     @staticmethod
