@@ -1,6 +1,6 @@
 """specserve against llama.cpp's server on the same model and prompts, side by side in one run.
 
-    python benchmarks/llama_cpp.py --build       # once: builds llama-server (a few minutes)
+    python benchmarks/llama_cpp.py --build       # once: builds llama-server (10-15 minutes on 2 cores)
     python benchmarks/llama_cpp.py [--concurrency 1 8] [--requests 8] [--max-tokens 96]
         [--dtype auto] [--engine NAME=SPECULATIVE_CONFIG ...] [--repeats 1] [--out DIR]
 
@@ -50,9 +50,8 @@ def build(requirement: str = LLAMA_CPP_PYTHON) -> Path:
     dest = server_path()
     with tempfile.TemporaryDirectory() as tmp:
         print(f"downloading the source of {requirement} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "--no-build-isolation", requirement, "-d", tmp], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        requirement.split("==")[0], requirement, "-d", tmp], check=True, stdout=subprocess.DEVNULL)
         sdist = next(Path(tmp).glob("*.tar.gz"))
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
@@ -158,9 +157,10 @@ def engines(args: argparse.Namespace, gguf: Path, binary: Path) -> list[tuple[st
 
 
 def run(args: argparse.Namespace) -> int:
-    binary = Path(args.llama_server) if args.llama_server else server_path()
     if args.build:
-        binary = build()
+        build()
+        return 0
+    binary = Path(args.llama_server) if args.llama_server else server_path()
     if not binary.is_file():
         print(f"llama-server not found at {binary}: build it once with "
               "`python benchmarks/llama_cpp.py --build` (or pass --llama-server); skipping")
@@ -231,7 +231,7 @@ def plot(summary: dict, levels: list[int], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--build", action="store_true", help="build llama-server first (PyPI source, cmake)")
+    p.add_argument("--build", action="store_true", help="build llama-server (PyPI source, cmake) and exit")
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: the built one)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", help="specserve's --dtype")
