@@ -1,8 +1,8 @@
 """The cost model and the draft-budget policy, on synthetic cost curves: rows nearly free give
 long drafts, rows costing linearly give none, a costly first row then cheap ones is handled,
-requests compete for rows at high concurrency without slowing any one of them down, a head that does not pay is gated off and
-probed, the measured model follows live steps, and speculation measured slower end to end is
-switched off (then probed) per batch size."""
+requests compete for rows at high concurrency without slowing any one of them down, a head
+that does not pay is gated off and probed, the measured model follows live steps, and
+speculation measured slower end to end is switched off (then probed) per batch size."""
 
 from __future__ import annotations
 

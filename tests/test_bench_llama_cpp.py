@@ -1,0 +1,34 @@
+"""benchmarks/llama_cpp.py without a llama.cpp build: it says how to get one and exits 0; its
+table reads each engine against llama.cpp. (The side-by-side run itself needs the build and
+minutes of CPU: docs/benchmarks.md has its figures.)"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "llama_cpp.py"
+
+
+def test_without_a_build_it_skips_with_a_message(tmp_path):
+    env = {**os.environ, "SPECSERVE_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, str(SCRIPT), "--concurrency", "1"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "llama-server not found" in r.stdout and "--build" in r.stdout
+
+
+def test_bad_options_are_refused():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--concurrency", "0"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "at least 1" in r.stderr
+
+
+def test_table_gives_each_engine_against_llama_cpp():
+    spec = importlib.util.spec_from_file_location("llama_cpp_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.table({"tok_per_s": {"llama.cpp": {1: 60.0, 8: 120.0}, "plain": {1: 15.0, 8: 60.0}}}, [1, 8])
+    plain = next(line for line in text.splitlines() if line.startswith("plain"))
+    assert "0.25x" in plain and "0.50x" in plain
