@@ -201,7 +201,7 @@ class SpecPolicy:
             worst = self._worst_served(nodes, len(trees), batch)
             rates[worst < times / plain * (1 - FAIRNESS)] = 0.0
             best = int(np.argmax(rates))
-            if rates[best] > self.plain_rate(batch) * (1 + MARGIN):
+            if rates[best] > batch / plain * (1 + MARGIN):
                 for _, _, b, i in nodes[:best + 1]:
                     keep[b].append(i)
                 limit, rows = max(limit, times[best]), best + 1
