@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -35,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.bench.load import load_prompts, machine  # noqa: E402
+from specserve.bench.spec import grouped_bars  # noqa: E402
 from specserve.config import DEFAULT_MODEL  # noqa: E402
 from specserve.model.loader import alias_gguf, cache_root, canonical_alias  # noqa: E402
 
@@ -188,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{tokens / seconds:.1f} tok/s", flush=True)
     summary = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "model": args.model,
                "gguf": gguf.name, "options": {k: v for k, v in vars(args).items() if k != "build"},
-               "tok_per_s": {name: {c: sorted(v)[len(v) // 2] for c, v in by_c.items()}
+               "tok_per_s": {name: {c: statistics.median(v) for c, v in by_c.items()}
                              for name, by_c in results.items()}}
     print(table(summary, args.concurrency))
     out = Path(args.out)
@@ -209,24 +211,9 @@ def table(summary: dict, levels: list[int]) -> str:
 
 
 def plot(summary: dict, levels: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = summary["tok_per_s"]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    width = 0.8 / len(rates)
-    for i, (name, by_c) in enumerate(rates.items()):
-        xs = [j + i * width for j in range(len(levels))]
-        ax.bar(xs, [by_c[c] for c in levels], width, label=name)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(levels))], [f"{c} concurrent" for c in levels])
-    ax.set_ylabel("completion tokens / s")
-    ax.set_title(f"{summary['model']} ({summary['gguf']}), {summary['machine']['cpu_count']} cores")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series = {name: [by_c[c] for c in levels] for name, by_c in summary["tok_per_s"].items()}
+    grouped_bars(path, [f"{c} concurrent" for c in levels], series, "completion tokens / s",
+                 f"{summary['model']} ({summary['gguf']}), {summary['machine']['cpu_count']} cores")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -247,23 +247,31 @@ def _print_table(result: dict) -> None:
 
 
 def _plot(result: dict, path: Path) -> None:
+    cats = list(dict.fromkeys(r["category"] for r in result["rows"]))
+    methods = [m for m in dict.fromkeys(r["method"] for r in result["rows"]) if m != "none"]
+    series = {m: [next(r["speedup"] for r in result["rows"] if r["category"] == c and r["method"] == m)
+                  for c in cats] for m in methods}
+    grouped_bars(path, cats, series, "decode speedup over no speculation",
+                 f"Spec-Bench, greedy, batch 1 ({result['date']})", baseline=1.0, rotation=20)
+
+
+def grouped_bars(path: Path, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str,
+                 baseline: float | None = None, rotation: int = 0) -> None:
+    """A PNG of one bar per series in each group (series: name -> a value per group)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cats = list(dict.fromkeys(r["category"] for r in result["rows"]))
-    methods = [m for m in dict.fromkeys(r["method"] for r in result["rows"]) if m != "none"]
-    fig, ax = plt.subplots(figsize=(1.6 * len(cats) + 2, 4))
-    width = 0.8 / max(1, len(methods))
-    for i, m in enumerate(methods):
-        vals = [next(r["speedup"] for r in result["rows"] if r["category"] == c and r["method"] == m)
-                for c in cats]
-        ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
-    ax.axhline(1.0, color="gray", lw=1, ls="--")
-    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats, rotation=20)
-    ax.set_ylabel("decode speedup over no speculation")
-    ax.set_title(f"Spec-Bench, greedy, batch 1 ({result['date']})")
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(groups) + 2), 4))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(groups))], values, width, label=name)
+    if baseline is not None:
+        ax.axhline(baseline, color="gray", lw=1, ls="--")
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(groups))], groups, rotation=rotation)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
