@@ -26,28 +26,32 @@ def best_us(fn, runs: int, inner: int = 20) -> float:
     return best * 1e6
 
 
-def layer_table(prop, rows: list[int], runs: int) -> None:
+def layer_table(full, int8, lm_weight, rows: list[int], runs: int) -> None:
+    """Each product of the head: full precision (full's weights; lm_weight [V', hidden] for the
+    LM head) against int8's layer."""
     import torch
     import torch.nn.functional as F
 
     from specserve.model.quant import Int8Linear
 
-    layer = prop.head.layers[0]
-    shapes = {"fc": prop.head.fc, "q_proj": layer.self_attn.q_proj, "k_proj": layer.self_attn.k_proj,
-              "o_proj": layer.self_attn.o_proj, "gate_proj": layer.mlp.gate_proj,
-              "down_proj": layer.mlp.down_proj, "lm_head": prop._lm_head}
+    def products(prop):
+        layer = prop.head.layers[0]
+        return {"fc": prop.head.fc, "q_proj": layer.self_attn.q_proj, "k_proj": layer.self_attn.k_proj,
+                "o_proj": layer.self_attn.o_proj, "gate_proj": layer.mlp.gate_proj,
+                "down_proj": layer.mlp.down_proj, "lm_head": prop._lm_head}
+
+    dense = products(full)
     print(f"{'product':<11}{'in x out':>13}" + "".join(f"{r:>8} row{'s' if r > 1 else ' '}" for r in rows))
-    for name, q in shapes.items():
+    for name, q in products(int8).items():
         assert isinstance(q, Int8Linear)
-        out_f, in_f = q.qweight.shape
+        weight = lm_weight if name == "lm_head" else dense[name].weight
+        out_f, in_f = weight.shape
         cells = []
         for r in rows:
-            x = torch.randn(r, in_f, dtype=q.weight.dtype)
-            full = best_us(lambda: F.linear(x, q.weight), runs)
-            int8 = best_us(lambda: torch._weight_int8pack_mm(x, q.qweight, q.scales), runs)
-            cells.append(f"{full:5.0f}/{int8:<5.0f}")
+            x = torch.randn(r, in_f, dtype=weight.dtype)
+            cells.append(f"{best_us(lambda: F.linear(x, weight), runs):5.0f}/{best_us(lambda: q(x), runs):<5.0f}")
         print(f"{name:<11}{f'{in_f}x{out_f}':>13}" + "".join(f"{c:>13}" for c in cells))
-    print("(µs, model dtype / int8; best of runs)")
+    print(f"(µs, model dtype / int8 ({'own kernel' if q.own_kernel else 'torch'}); best of runs)")
 
 
 def main() -> None:
@@ -69,7 +73,10 @@ def main() -> None:
     heads = {name: EagleProposer(runner.model, num_speculative_tokens=args.m, depth=4, topk=2, quantize=q)
              for name, q in (("full", False), ("int8", True))}
     print(f"{runner.dtype}, {torch.get_num_threads()} threads, context {args.context}")
-    layer_table(heads["int8"], args.rows, args.runs)
+    full = heads["full"]
+    lm_weight = runner.model.lm_head.weight
+    layer_table(full, heads["int8"], lm_weight if full.d2t is None else lm_weight.index_select(0, full.d2t),
+                args.rows, args.runs)
 
     g = torch.Generator().manual_seed(0)
     req = Request("r", torch.randint(0, 40000, (args.context,), generator=g).tolist(), SamplingParams(), set(), 0)

@@ -2,7 +2,8 @@
 
     python benchmarks/llama_cpp.py --build       # once: builds llama-server (10-15 minutes on 2 cores)
     python benchmarks/llama_cpp.py [--concurrency 1 8] [--requests 8] [--max-tokens 96]
-        [--dtype auto] [--engine NAME=SPECULATIVE_CONFIG ...] [--repeats 1] [--out DIR]
+        [--dtype auto] [--quantization none int8] [--engine NAME=SPECULATIVE_CONFIG ...]
+        [--repeats 1] [--out DIR]
 
 `--build` downloads the source package of llama-cpp-python from PyPI, builds the server target
 of its vendored llama.cpp (CPU, native instructions, static) and keeps the binary under
@@ -10,7 +11,8 @@ $SPECSERVE_CACHE_DIR/llama.cpp/ (default ~/.cache/specserve). Without that binar
 by --llama-server) the benchmark prints how to get it and exits 0.
 
 Both servers get the same GGUF (the default model's, Q4_1: llama.cpp reads it as it is,
-specserve dequantizes it), the same threads (every core), the same held-out chat and code
+specserve dequantizes it, to float32/bfloat16 or, with --quantization int8, to int8 with
+one scale per row), the same threads (every core), the same held-out chat and code
 prompts of `specserve bench load` through /v1/chat/completions, greedy, the same max_tokens.
 One server runs at a time, alternating per repeat; at each concurrency c, the request list is
 run closed-loop with c in flight. Reported: completion tokens per second (from each reply's
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.bench.load import load_prompts, machine  # noqa: E402
 from specserve.bench.spec import grouped_bars  # noqa: E402
-from specserve.config import DEFAULT_MODEL  # noqa: E402
+from specserve.config import DEFAULT_MODEL, QUANTIZATION_CHOICES  # noqa: E402
 from specserve.model.loader import alias_gguf, cache_root, canonical_alias  # noqa: E402
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the source package whose vendor/llama.cpp is built
@@ -149,12 +151,13 @@ def engines(args: argparse.Namespace, gguf: Path, binary: Path) -> list[tuple[st
     ctx = str(args.max_model_len * max(args.concurrency))
     out = [("llama.cpp", [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
                           "-t", threads, "-tb", threads, "--parallel", str(max(args.concurrency)), "-c", ctx])]
-    for spec in args.engine:
-        name, _, config = spec.partition("=")
-        out.append((name, [sys.executable, "-m", "specserve.cli", "serve", "--port", "{port}",
-                           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-                           "--speculative-config", config or "auto", "--log-level", "warning",
-                           "--no-access-log"]))
+    for quantization in args.quantization:
+        for spec in args.engine:
+            name, _, config = spec.partition("=")
+            out.append((name + ("" if quantization == "none" else f" {quantization}"), [
+                sys.executable, "-m", "specserve.cli", "serve", "--port", "{port}", "--dtype", args.dtype,
+                "--quantization", quantization, "--max-model-len", str(args.max_model_len),
+                "--speculative-config", config or "auto", "--log-level", "warning", "--no-access-log"]))
     return out
 
 
@@ -186,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
                     todo = [prompts[i % len(prompts)] for i in range(n)]
                     tokens, seconds = asyncio.run(closed_loop(port, todo, c, args.max_tokens))
                     results[name][c].append(tokens / seconds)
-                    print(f"  {name:<12} c={c:<3} {tokens} tokens in {seconds:.1f} s: "
+                    print(f"  {name:<14} c={c:<3} {tokens} tokens in {seconds:.1f} s: "
                           f"{tokens / seconds:.1f} tok/s", flush=True)
     summary = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "model": args.model,
                "gguf": gguf.name, "options": {k: v for k, v in vars(args).items() if k != "build"},
@@ -204,9 +207,9 @@ def run(args: argparse.Namespace) -> int:
 def table(summary: dict, levels: list[int]) -> str:
     rates = summary["tok_per_s"]
     ref = rates["llama.cpp"]
-    lines = ["engine        " + "".join(f"   c={c:<3} tok/s  vs llama.cpp" for c in levels)]
+    lines = ["engine          " + "".join(f"   c={c:<3} tok/s  vs llama.cpp" for c in levels)]
     for name, by_c in rates.items():
-        lines.append(f"{name:<14}" + "".join(f"   {by_c[c]:>11.1f}  {by_c[c] / ref[c]:>11.2f}x" for c in levels))
+        lines.append(f"{name:<16}" + "".join(f"   {by_c[c]:>11.1f}  {by_c[c] / ref[c]:>11.2f}x" for c in levels))
     return "\n".join(lines)
 
 
@@ -222,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: the built one)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", help="specserve's --dtype")
+    p.add_argument("--quantization", nargs="+", default=["none", "int8"], choices=list(QUANTIZATION_CHOICES),
+                   help="run every --engine with each of these target weight formats")
     p.add_argument("--engine", action="append", default=None, metavar="NAME=SPECULATIVE_CONFIG",
                    help="a specserve server to run (repeatable; default: plain=none and default=auto)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])

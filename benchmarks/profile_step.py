@@ -3,15 +3,16 @@
 B requests of a fixed prompt (about --context tokens) are prefilled, then --steps decode-only
 steps of the engine (no speculation) are profiled. Each CPU op's self time goes to a class:
 
-  gemm        aten::mm / addmm / bmm / linear's products (weights read here)
+  gemm        aten::mm / addmm / bmm / linear's products (weights read here); with
+              --quantization int8 our kernel's calls (a specserve::int8_linear range)
   attention   scaled_dot_product_attention and the KV gather / write of the backend
   small ops   every other ATen op (norms, rotary, activations, copies, views, indexing, cat)
   sampling    argmax / softmax / topk / sort / multinomial and the logits' own ops
   python      the step's wall time minus every op's self time: interpreter, module calls,
               metadata built in Python, scheduling, detokenizing
 
-    python benchmarks/profile_step.py [--batch 1 16] [--dtype float32] [--context 128] [--steps 8]
-        [--model NAME] [--top 12] [--json OUT.json]
+    python benchmarks/profile_step.py [--batch 1 16] [--dtype float32] [--quantization none]
+        [--context 128] [--steps 8] [--model NAME] [--top 12] [--json OUT.json]
 
 Prints, per batch size, ms per step and share by class, and the top ops by self time.
 """
@@ -27,7 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_weight_int8pack_mm")
+GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_weight_int8pack_mm",
+        "specserve::int8_linear")
 ATTENTION = ("scaled_dot_product", "attention", "aten::index_select", "aten::index_copy_", "aten::index_put_",
              "aten::gather", "aten::scatter")
 SAMPLING = ("aten::argmax", "aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
@@ -71,7 +73,7 @@ def profile(llm, batch: int, context: int, steps: int) -> dict:
     by_class: dict[str, float] = collections.defaultdict(float)
     by_op: dict[str, float] = collections.defaultdict(float)
     for evt in prof.key_averages():
-        if not evt.key.startswith("aten::") and "attention" not in evt.key:
+        if not evt.key.startswith(("aten::", "specserve::")) and "attention" not in evt.key:
             continue  # module / record_function ranges: their ops are counted themselves
         by_class[classify(evt.key)] += evt.self_cpu_time_total / 1e6
         by_op[evt.key] += evt.self_cpu_time_total / 1e6
@@ -87,6 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"])
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--model", default=None)
@@ -96,12 +99,25 @@ def main() -> None:
     from specserve import LLM
 
     llm = LLM(args.model, dtype=args.dtype, speculative_config=None, max_num_seqs=max(args.batch),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, quantization=args.quantization)
+    if args.quantization == "int8":  # our kernel is no ATen op: give its calls a named range
+        import torch
+
+        from specserve.kernels import cpu_int8
+
+        kernel = cpu_int8.linear
+
+        def named(*a, **kw):
+            with torch.profiler.record_function("specserve::int8_linear"):
+                return kernel(*a, **kw)
+
+        cpu_int8.linear = named
     results = []
     for b in args.batch:
         r = profile(llm, b, args.context, args.steps)
-        results.append({"dtype": args.dtype, **r})
-        print(f"\nbatch {b}, {args.dtype}: {r['step_ms']:.1f} ms per decode step "
+        results.append({"dtype": args.dtype, "quantization": args.quantization, **r})
+        weights = args.dtype + (" int8" if args.quantization == "int8" else "")
+        print(f"\nbatch {b}, {weights}: {r['step_ms']:.1f} ms per decode step "
               f"({1e3 * b / r['step_ms']:.1f} tok/s)")
         for k, v in sorted(r["classes_ms"].items(), key=lambda kv: -kv[1]):
             print(f"  {k:<10} {v:7.2f} ms  {100 * v / r['step_ms']:5.1f}%")

@@ -20,6 +20,7 @@ def env_str(name: str, default: str = "") -> str:
 
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_CHOICES = ("none", "int8")  # the target's weights (specserve.model.quant)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0  # seed for dummy weights and unseeded requests' sampling streams
+    quantization: str = "none"  # none | int8 (weight-only, CPU: specserve.model.quant)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ class EngineConfig:
                block_size: int = 16, num_blocks: int | None = None,
                kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
                max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-               speculative_config: str | dict | SpecConfig | None = "auto") -> "EngineConfig":
+               speculative_config: str | dict | SpecConfig | None = "auto",
+               quantization: str | None = None) -> "EngineConfig":
         if dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         if load_format not in ("auto", "dummy"):
@@ -122,10 +125,16 @@ class EngineConfig:
             raise ValueError(f"num_blocks: must be at least 1, got {num_blocks}")
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len: must be at least 1, got {max_model_len}")
+        quantization = quantization or "none"
+        if quantization != "none":
+            from specserve.model.quant import check_target_quantization
+
+            check_target_quantization(quantization, device)
         spec = speculative_config if isinstance(speculative_config, SpecConfig) \
             else SpecConfig.parse(speculative_config)
         return EngineConfig(
-            model=ModelConfig(model or DEFAULT_MODEL, dtype, load_format, max_model_len, device, seed),
+            model=ModelConfig(model or DEFAULT_MODEL, dtype, load_format, max_model_len, device, seed,
+                              quantization),
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             spec=spec,

@@ -32,3 +32,15 @@ def test_table_gives_each_engine_against_llama_cpp():
     text = mod.table({"tok_per_s": {"llama.cpp": {1: 60.0, 8: 120.0}, "plain": {1: 15.0, 8: 60.0}}}, [1, 8])
     plain = next(line for line in text.splitlines() if line.startswith("plain"))
     assert "0.25x" in plain and "0.50x" in plain
+
+
+def test_every_engine_runs_with_each_weight_format():
+    spec = importlib.util.spec_from_file_location("llama_cpp_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.argparse.Namespace(max_model_len=512, concurrency=[1, 8], dtype="auto", quantization=["none", "int8"],
+                                  engine=["plain=none", "default=auto"])
+    servers = dict(mod.engines(args, Path("m.gguf"), Path("llama-server")))
+    assert list(servers) == ["llama.cpp", "plain", "default", "plain int8", "default int8"]
+    argv = servers["default int8"]
+    assert argv[argv.index("--quantization") + 1] == "int8" and argv[argv.index("--speculative-config") + 1] == "auto"

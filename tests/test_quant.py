@@ -1,4 +1,7 @@
-"""Weight-only int8 linear layers (specserve.model.quant) and draft-head formats (specserve.spec_decode.quant)."""
+"""Weight-only int8 linear layers (specserve.model.quant, specserve.kernels.cpu_int8) and
+draft-head formats (specserve.spec_decode.quant)."""
+
+import argparse
 
 import pytest
 import torch
@@ -7,7 +10,8 @@ from torch import nn
 from specserve.model.arch import ModelArch
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.spec_decode.medusa import MedusaHeads
-from specserve.model.quant import Int8Linear, int8_pays, quantize_linears, quantize_rows
+from specserve.kernels import cpu_int8
+from specserve.model.quant import Int8Linear, check_target_quantization, int8_pays, quantize_linears, quantize_rows
 from specserve.spec_decode.quant import check_quantization
 
 
@@ -23,20 +27,70 @@ def test_rows_round_trip_within_half_a_step():
     assert torch.all((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-6)
 
 
+needs_kernel = pytest.mark.skipif(not cpu_int8.available(),
+                                  reason=f"the int8 CPU kernel cannot run here ({cpu_int8.why_unavailable()})")
+
+
+@pytest.fixture(params=["own kernel", "torch"])
+def path(request, monkeypatch):
+    """Int8Linear through our kernel, and through torch's (what a machine without it gets)."""
+    if request.param == "own kernel" and not cpu_int8.available():
+        pytest.skip(f"the int8 CPU kernel cannot run here ({cpu_int8.why_unavailable()})")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_int8, "available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, Int8Linear.MAX_ROWS, Int8Linear.MAX_ROWS + 1, 19])
-def test_int8_linear_tracks_the_full_precision_layer(dtype, rows):
+def test_int8_linear_tracks_the_full_precision_layer(path, dtype, rows):
     torch.manual_seed(0)
     lin = nn.Linear(96, 160).to(dtype)
     q = Int8Linear.from_linear(lin)
+    assert q.own_kernel == (path == "own kernel")
     x = torch.randn(rows, 96, dtype=dtype)
-    assert rel_err(q(x), lin(x)) < 0.02
-    if rows <= Int8Linear.MAX_ROWS:  # few rows go through the int8 kernel
-        assert torch.equal(q(x), torch._weight_int8pack_mm(x, q.qweight, q.scales) + q.bias)
-    # the int8 kernel (few rows) and the dequantized weights (many rows) are one model
-    deq = nn.functional.linear(x, q.weight, q.bias)
-    assert rel_err(q(x), deq) < 0.01
+    y = q(x)
+    assert y.dtype == dtype and rel_err(y, lin(x)) < 0.02
+    qw, scales = quantize_rows(lin.weight)
+    deq = nn.functional.linear(x.double(), qw.double() * scales.double()[:, None], lin.bias.double())
+    assert rel_err(y, deq) < (0.01 if dtype == torch.bfloat16 else 1e-5)  # the quantized layer, up to rounding
+    if path == "torch" and rows <= Int8Linear.MAX_ROWS:  # few rows go through torch's int8 kernel
+        assert torch.equal(y, torch._weight_int8pack_mm(x, q.qweight, q.scales) + q.bias)
     assert q(x[None]).shape == (1, rows, 160)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 37), (8, 8), (65, 3)])
+def test_own_kernel_rows_do_not_depend_on_the_batch(shape):
+    """A row's output has the same bits in any batch, at any position, with any thread count,
+    from a strided input: what keeps speculation over an int8 target exactly lossless."""
+    torch.manual_seed(0)
+    n, k = shape
+    lin = Int8Linear(torch.randn(n, k) * torch.rand(n, 1), torch.randn(n))
+    wide = torch.randn(23, k + 5) * torch.rand(23, 1) * 3
+    x = wide[:, 2:2 + k]  # rows with a stride
+    full = lin(x)
+    ref = nn.functional.linear(x.double(), _dequant(lin).double(), lin.bias.double())
+    assert (full.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
+    for m in (1, 2, 3, 5, 6, 7, 12, 13):
+        for start in (0, 4, 23 - m):
+            assert torch.equal(lin(x[start:start + m]), full[start:start + m]), (m, start)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), full)
+    finally:
+        torch.set_num_threads(threads)
+    assert lin(x[:0]).shape == (0, n)
+
+
+def _dequant(lin: Int8Linear) -> torch.Tensor:
+    """The layer's weights as the kernel reads them, back from its strips of 8 columns
+    (k-major inside a strip; N padded to a multiple of 64)."""
+    n = lin.out_features
+    k = lin.packed.numel() // (-(-n // 64) * 64)
+    q = lin.packed.view(-1, k, 8).permute(0, 2, 1).reshape(-1, k)[:n]
+    return q.float() * lin.scales[:, None]
 
 
 def test_quantize_linears_replaces_every_linear_of_a_head():
@@ -63,3 +117,53 @@ def test_quantization_option_is_checked():
         check_quantization("fp8", cpu, *shape)
     with pytest.raises(ValueError, match="CPU only"):
         check_quantization("int8", gpu, *shape)
+
+
+def test_target_quantization_option_is_checked(monkeypatch):
+    from specserve.config import EngineConfig
+    from specserve.server.cli import add_serve_args, engine_config_from_args
+
+    with pytest.raises(ValueError, match="expected one of none, int8"):
+        EngineConfig.create(quantization="int4")
+    with pytest.raises(ValueError, match="CPU only"):
+        check_target_quantization("int8", "cuda")
+    assert EngineConfig.create().model.quantization == "none"
+    if cpu_int8.available():
+        args = add_serve_args(argparse.ArgumentParser()).parse_args(["--quantization", "int8"])
+        assert engine_config_from_args(args).model.quantization == "int8"
+    monkeypatch.setattr(cpu_int8, "_lib", None)
+    monkeypatch.setattr(cpu_int8, "_error", "this CPU lacks AVX2/FMA")
+    with pytest.raises(ValueError, match="cannot run here .this CPU lacks AVX2/FMA"):
+        EngineConfig.create(quantization="int8", device="cpu")
+
+
+@needs_kernel
+def test_int8_target_keeps_speculation_lossless(tmp_path):
+    """Greedy output of a tiny int8 target: plain, prompt lookup and EAGLE token for token equal."""
+    from test_eagle_medusa import greedy_ids, tiny_llm, write_eagle1
+
+    plain = tiny_llm(tmp_path, quantization="int8")
+    model = plain.engine.runner.model
+    assert isinstance(model.layers[0].mlp.down_proj, Int8Linear) and isinstance(model.lm_head_q, Int8Linear)
+    want = greedy_ids(plain)
+    head = str(write_eagle1(tmp_path / "head"))
+    for config in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                   {"method": "eagle", "model": head, "depth": 3, "topk": 2}):
+        llm = tiny_llm(tmp_path, {**config, "adaptive": False}, quantization="int8")  # drafts every step
+        assert greedy_ids(llm) == want, config["method"]
+        assert llm.engine.stats.spec_num_drafts > 0
+
+
+@needs_kernel
+def test_int8_default_model_speculates_losslessly():
+    """The default model with int8 weights: prompt lookup gives plain decoding's tokens."""
+    from specserve import LLM, SamplingParams
+
+    prompts = ["Repeat after me: the quick brown fox jumps over the lazy dog. the quick brown fox",
+               "Write a Python function that adds two numbers."]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outs = {}
+    for config in (None, {"method": "ngram"}):
+        llm = LLM(None, speculative_config=config, quantization="int8", num_blocks=64)
+        outs[str(config)] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs["None"] == outs[str({"method": "ngram"})]

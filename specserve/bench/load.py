@@ -37,7 +37,7 @@ from importlib import resources
 from pathlib import Path
 
 from specserve.bench.spec import named_configs
-from specserve.config import DTYPE_CHOICES, SpecConfig
+from specserve.config import DTYPE_CHOICES, QUANTIZATION_CHOICES, SpecConfig
 
 DEFAULT_CONFIGS = ['ngram={"method": "ngram"}', 'eagle={"method": "eagle"}']
 SPLITS = ("dev", "heldout", "all")
@@ -57,6 +57,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="target model (default: the default model)")
     parser.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                         help="weights and activations of every engine")
+    parser.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES),
+                        help="every engine's target weights (int8: see `specserve serve --help`)")
     parser.add_argument("--config", action="append", default=None, metavar="NAME=JSON",
                         help="a speculative configuration to run as NAME (repeatable; default: "
                              + " and ".join(repr(c) for c in DEFAULT_CONFIGS) + ")")
@@ -170,7 +172,8 @@ def load_engines(args: argparse.Namespace, configs: list[tuple[str, dict]]) -> d
     from specserve import LLM
 
     common = {"max_num_seqs": max(args.concurrency), "max_model_len": args.max_model_len,
-              "dtype": args.dtype, "enable_prefix_caching": False}
+              "dtype": args.dtype, "enable_prefix_caching": False,
+              "quantization": args.quantization}
     engines = {"none": LLM(args.model, speculative_config=None, **common)}
     for name, keys in configs:
         engines[name] = LLM(args.model, speculative_config=keys, **common)
@@ -251,6 +254,7 @@ def run(args: argparse.Namespace) -> dict:
         table.append(summarise_level(c, run_level(engines, ids, c, level, args.repeats, params)))
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
               "dtype": str(first.engine.runner.dtype).removeprefix("torch."),
+              "quantization": args.quantization,
               "split": args.split, "num_prompts": len(rows),
               "prompts": {k: sum(r["kind"] == k for r in rows) for k in ("chat", "code")},
               "methods": {"none": None, **dict(configs)},

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from specserve.config import DTYPE_CHOICES
+from specserve.config import DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -37,6 +37,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                    help="both engines (auto: as `specserve serve` picks)")
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES),
+                   help="specserve's target weights (int8: see `specserve serve --help`)")
     p.add_argument("--no-hf-batch", action="store_true", help="skip transformers' padded batch")
     p.add_argument("--out", default="bench_out/offline")
 
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     from specserve import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
+    llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, quantization=args.quantization)
     tok = llm.get_tokenizer()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -97,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "date": time.strftime("%Y-%m-%d"), "model": llm.engine.model_name,
         "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
         "concurrency": args.concurrency, "tokens_per_s": rates,
         "ratio_batch1": rates["ours_b1"] / rates["hf_b1"],

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from specserve.config import DTYPE_CHOICES
+from specserve.config import DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -82,6 +82,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                         help="weights and activations of every engine")
+    parser.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES),
+                        help="every engine's target weights (int8: see `specserve serve --help`)")
     parser.add_argument("--out", default="bench_out/spec", help="directory for JSON and PNG")
     return parser
 
@@ -143,7 +145,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--mt-bench-split needs the mt_bench category")
     prompts = load_prompts(categories, args.limit, args.mt_bench_split)
     categories = list(dict.fromkeys(c for c, _ in prompts))  # as reported (sub-categories split)
-    common_engine = {"max_model_len": args.max_model_len, "dtype": args.dtype}
+    common_engine = {"max_model_len": args.max_model_len, "dtype": args.dtype,
+                     "quantization": args.quantization}
     engines = {"none": LLM(args.model, **common_engine)}
     common = {"num_speculative_tokens": args.num_speculative_tokens,
               "adaptive": not args.no_adaptive}

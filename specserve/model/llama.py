@@ -156,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(arch, max_positions)
         self.lm_head_t: torch.Tensor | None = None  # see finalize_weights
+        self.lm_head_q: nn.Module | None = None  # see quantize_int8
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -169,9 +170,25 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
+        if self.lm_head_q is not None:
+            return self.lm_head_q(hidden).float()
         if self.lm_head_t is not None:
             return (hidden @ self.lm_head_t).float()
         return self.lm_head(hidden).float()
+
+    def quantize_int8(self) -> None:
+        """`--quantization int8`: every projection of every layer and the LM head in int8
+        (specserve.model.quant.Int8Linear over our batch-invariant CPU kernel). The embedding
+        stays in the model's dtype (a lookup reads one row), and so does `lm_head.weight`,
+        which draft heads read (tied models share it with the embedding: no extra bytes)."""
+        from specserve.model.quant import Int8Linear
+
+        for layer in self.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, child in parent.named_children():
+                    if isinstance(child, nn.Linear):
+                        setattr(parent, name, Int8Linear.from_linear(child))
+        self.lm_head_q = Int8Linear.from_linear(self.lm_head)
 
     def finalize_weights(self) -> None:
         """Call once the weights are final (loaded and cast).
@@ -184,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
         """
         weight = self.lm_head.weight.detach()
         cpu = weight.device.type == "cpu"
-        self.lm_head_t = weight.t().contiguous() if cpu and weight.dtype == torch.float32 else None
+        self.lm_head_t = weight.t().contiguous() if (
+            cpu and weight.dtype == torch.float32 and self.lm_head_q is None) else None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pad_single_row = cpu and weight.dtype == torch.bfloat16

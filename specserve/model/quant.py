@@ -1,12 +1,14 @@
-"""Weight-only int8 linear layers for CPUs (draft heads today; the target's later).
+"""Weight-only int8 linear layers for CPUs: the target's (`--quantization int8`) and draft heads'.
 
-`Int8Linear` keeps a linear layer's weights as symmetric int8 with one scale per output row
-and runs torch's int8 weight-only kernel (`torch._weight_int8pack_mm`: int8 weights,
-activations in the model's dtype) for products of up to `MAX_ROWS` rows, where reading the
-weights dominates; longer products use the dequantized copy it keeps beside them, so every
-product computes the same quantized layer up to rounding. Whether the kernel is faster than
-the dtype's own GEMM depends on the CPU (on AVX512 machines it is, up to about 4 rows; on
-AVX2-only ones it is slower at every size), so `int8_pays` measures it where it runs.
+`Int8Linear` keeps a linear layer's weights as symmetric int8 with one scale per output row.
+Where our AVX2/FMA kernel builds (specserve.kernels.cpu_int8: x86 with AVX2, a C compiler),
+every product goes through it: a quarter of float32's weight bytes, and each row's result
+independent of the other rows, so a quantized target keeps speculation exactly lossless
+against plain decoding of the same quantized model. Elsewhere draft heads fall back to torch's
+int8 weight-only kernel (`torch._weight_int8pack_mm`) for products of up to `MAX_ROWS` rows and
+a dequantized copy beyond; that path is not batch-invariant, so the target refuses it.
+Whether int8 is faster than the dtype's own GEMM for a draft head depends on the CPU, so
+`int8_pays` measures it where it runs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specserve.config import QUANTIZATION_CHOICES
+from specserve.kernels import cpu_int8
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,17 +32,26 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     """y = x @ dequant(W).T + b with W in int8 (see the module docstring)."""
 
-    MAX_ROWS = 4  # up to this many rows the int8 kernel; more: the dequantized weights
+    MAX_ROWS = 4  # torch's kernel (no own kernel): up to this many rows; more: dequantized weights
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         q, scales = quantize_rows(weight)
-        self.register_buffer("qweight", q)
-        self.register_buffer("scales", scales)
-        self.register_buffer("weight", (q.float() * scales.float()[:, None]).to(weight.dtype))
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.out_features = weight.shape[0]
+        self.own_kernel = weight.device.type == "cpu" and cpu_int8.available()
+        if self.own_kernel:
+            self.register_buffer("packed", cpu_int8.pack(q))
+            self.register_buffer("scales", scales.float().contiguous())
+            self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        else:
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scales)
+            self.register_buffer("weight", (q.float() * scales.float()[:, None]).to(weight.dtype))
+            self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_kernel:
+            return cpu_int8.linear(x, self.packed, self.scales, self.bias, self.out_features).to(x.dtype)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] > self.MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
@@ -61,12 +75,25 @@ def quantize_linears(module: nn.Module) -> nn.Module:
     return module
 
 
+def check_target_quantization(value: str, device: str) -> None:
+    """Validate `--quantization` for the target model (ValueError with the reason)."""
+    if value not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization: expected one of {', '.join(QUANTIZATION_CHOICES)}, got {value!r}")
+    if value == "none":
+        return
+    if device not in ("auto", "cpu") or (device == "auto" and torch.cuda.is_available()):
+        raise ValueError("quantization: 'int8' runs on the CPU only")
+    if not cpu_int8.available():
+        raise ValueError(f"quantization: 'int8' needs the int8 CPU kernel, which cannot run here "
+                         f"({cpu_int8.why_unavailable()})")
+
+
 _INT8_PAYS: dict[tuple, bool] = {}
 
 
 def int8_pays(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
     """Whether int8 weight-only products beat the dtype's GEMM on this CPU for 1 and 4 rows of
-    a head-sized matrix (by 10%): AVX512 machines say yes, AVX2-only ones no. Cached."""
+    a head-sized matrix (by 10%). Cached."""
     import time
 
     key = (hidden, intermediate, dtype, torch.get_num_threads())

@@ -84,6 +84,9 @@ class ModelRunner:
             model.load_hf_state_dict(load_safetensors(model_dir))
         self.model = model.to(self.dtype).eval()
         self.model.rotary.float()
+        self.quantization = model_config.quantization
+        if self.quantization == "int8":
+            self.model.quantize_int8()
         self.model.finalize_weights()
         self.backend = get_attention_backend(self.device, self.dtype)
         # callables (sched, hidden [T, hidden]) shown every step's final hidden states, before
@@ -94,8 +97,9 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(arch.num_layers)]
-        logger.info("model ready in %.1f s on %s (%s, %s attention); KV cache: %d blocks of %d "
+        logger.info("model ready in %.1f s on %s (%s%s, %s attention); KV cache: %d blocks of %d "
                     "tokens", time.time() - start, self.device, str(self.dtype).split(".")[-1],
+                    ", int8 weights" if self.quantization == "int8" else "",
                     type(self.backend).__name__, self.num_blocks, self.block_size)
 
     def _blocks_for(self, gigabytes: float) -> int:
