@@ -86,10 +86,11 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
 
     from specserve.metrics import ServerMetrics, StatsLogger
     from specserve.server.app import build_app
-    from specserve.server.async_engine import AsyncEngine
+    from specserve.server.async_engine import AsyncEngine, engine_executor
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    executor = engine_executor()  # builds the engine and steps it: one thread for model work
     if engine is None:
         try:
             config = engine_config_from_args(args)
@@ -97,12 +98,12 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
             print(f"specserve serve: {e}", file=sys.stderr)
             return 2
         from specserve.engine import Engine
-        engine = Engine(config)
+        engine = executor.submit(Engine, config).result()
 
     name = args.served_model_name or engine.model_name
     aliases = [a for a in (engine.model_name, args.model) if a and a != name]
     metrics = ServerMetrics(name)
-    async_engine = AsyncEngine(engine, metrics, StatsLogger(args.stats_interval))
+    async_engine = AsyncEngine(engine, metrics, StatsLogger(args.stats_interval), executor)
     api_key = args.api_key or env_str("API_KEY") or None
     app = build_app(async_engine, name, api_key=api_key, aliases=aliases,
                     max_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser)
