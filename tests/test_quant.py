@@ -70,7 +70,7 @@ def test_own_kernel_rows_do_not_depend_on_the_batch(shape):
     wide = torch.randn(23, k + 5) * torch.rand(23, 1) * 3
     x = wide[:, 2:2 + k]  # rows with a stride
     full = lin(x)
-    ref = nn.functional.linear(x.double(), _dequant(lin).double(), lin.bias.double())
+    ref = nn.functional.linear(x.double(), _dequant(lin).double(), lin.kernel.bias.double())
     assert (full.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
     for m in (1, 2, 3, 5, 6, 7, 12, 13):
         for start in (0, 4, 23 - m):
@@ -88,9 +88,10 @@ def _dequant(lin: Int8Linear) -> torch.Tensor:
     """The layer's weights as the kernel reads them, back from its strips of 8 columns
     (k-major inside a strip; N padded to a multiple of 64)."""
     n = lin.out_features
-    k = lin.packed.numel() // (-(-n // 64) * 64)
-    q = lin.packed.view(-1, k, 8).permute(0, 2, 1).reshape(-1, k)[:n]
-    return q.float() * lin.scales[:, None]
+    packed = lin.kernel.packed
+    k = packed.numel() // (-(-n // 64) * 64)
+    q = packed.view(-1, k, 8).permute(0, 2, 1).reshape(-1, k)[:n]
+    return q.float() * lin.kernel.scales[:, None]
 
 
 def test_quantize_linears_replaces_every_linear_of_a_head():

@@ -100,29 +100,32 @@ def why_unavailable() -> str | None:
     return _error
 
 
-def pack(q: torch.Tensor) -> torch.Tensor:
-    """int8 weights [N, K] (row-major) -> the kernel's blocked layout (1-D int8)."""
-    lib = _load()
-    assert lib is not None, _error
-    q = q.detach().to(torch.int8).contiguous().cpu()
-    n, k = q.shape
-    packed = torch.empty(-(-n // _BLOCK) * _BLOCK * k, dtype=torch.int8)
-    lib.int8_pack(q.data_ptr(), n, k, packed.data_ptr())
-    return packed
+class PackedInt8:
+    """A layer's int8 weights in the kernel's layout, with their scales and bias (float32),
+    callable on activations: x [..., K] -> [..., N] float32 = x @ (q * scales[:, None]).T + bias.
+    The pointers are taken once here: a decode step calls a hundred-odd of these."""
 
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        lib = _load()
+        assert lib is not None, _error
+        q = q.detach().to(torch.int8).contiguous().cpu()
+        self.out_features, self.in_features = q.shape
+        self.packed = torch.empty(-(-self.out_features // _BLOCK) * _BLOCK * self.in_features, dtype=torch.int8)
+        lib.int8_pack(q.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
+        self.scales = scales.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._args = (self.packed.data_ptr(), self.out_features, self.scales.data_ptr(),
+                      0 if self.bias is None else self.bias.data_ptr())
+        self._fn = lib.int8_linear
 
-def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-           out_features: int) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N] float32 = x @ (q * scales[:, None]).T + bias.
-
-    scales and bias: float32 [N], contiguous."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-        rows = rows.float().contiguous()
-    m, k = rows.shape
-    y = torch.empty(m, out_features, dtype=torch.float32)
-    if m:
-        _lib.int8_linear(rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), out_features,
-                         scales.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                         out_features, torch.get_num_threads())
-    return y.view(*x.shape[:-1], out_features)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.float().contiguous()
+        m, n = rows.shape[0], self.out_features
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m:
+            packed, _, scales, bias = self._args
+            self._fn(rows.data_ptr(), m, self.in_features, rows.stride(0), packed, n, scales, bias,
+                     y.data_ptr(), n, torch.get_num_threads())
+        return y.view(*x.shape[:-1], n)

@@ -40,9 +40,8 @@ class Int8Linear(nn.Module):
         self.out_features = weight.shape[0]
         self.own_kernel = weight.device.type == "cpu" and cpu_int8.available()
         if self.own_kernel:
-            self.register_buffer("packed", cpu_int8.pack(q))
-            self.register_buffer("scales", scales.float().contiguous())
-            self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+            self.kernel = cpu_int8.PackedInt8(q, scales, bias)  # holds the weights (not buffers:
+            # the kernel keeps pointers to them, so they must never move or be cast)
         else:
             self.register_buffer("qweight", q)
             self.register_buffer("scales", scales)
@@ -51,7 +50,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_kernel:
-            return cpu_int8.linear(x, self.packed, self.scales, self.bias, self.out_features).to(x.dtype)
+            return self.kernel(x).to(x.dtype)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] > self.MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
