@@ -99,7 +99,8 @@ class Engine:
         print(f"[specserve] model ready in {time.time() - start:.1f} s "
               f"({self.arch.num_layers} layers, vocab {self.arch.vocab_size}, "
               f"{self.runner.num_blocks} KV blocks, {self.runner.device} "
-              f"{str(self.runner.dtype).removeprefix('torch.')}, speculation: "
+              f"{str(self.runner.dtype).removeprefix('torch.')}"
+              f"{' with int8 weights' if mc.quantization == 'int8' else ''}, speculation: "
               f"{spec_config.method or 'off'})", flush=True)
 
     # -- requests -----------------------------------------------------------------------------
