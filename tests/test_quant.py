@@ -82,6 +82,8 @@ def test_own_kernel_rows_do_not_depend_on_the_batch(shape):
     finally:
         torch.set_num_threads(threads)
     assert lin(x[:0]).shape == (0, n)
+    with pytest.raises(ValueError, match=f"expected {k}"):  # never a read past the weights
+        lin(torch.randn(2, k + 1))
 
 
 def _dequant(lin: Int8Linear) -> torch.Tensor:

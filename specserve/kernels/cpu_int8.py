@@ -33,7 +33,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "
 
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
-_BLOCK = 64
+BLOCK = 64  # columns per block the threads split (BLOCK in int8_linear.c); strips of 8 inside
 
 
 def _cpu_flags() -> set[str]:
@@ -80,10 +80,6 @@ def _load() -> ctypes.CDLL | None:
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             lib.int8_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_int]
             lib.int8_linear.restype = None
-            lib.int8_pack.argtypes = [ptr, i64, i64, ptr]
-            lib.int8_pack.restype = None
-            if lib.int8_block() != _BLOCK:
-                raise RuntimeError("kernel block size mismatch")
             _lib = lib
         except (OSError, RuntimeError) as e:
             _error = str(e)
@@ -108,24 +104,28 @@ class PackedInt8:
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         lib = _load()
         assert lib is not None, _error
-        q = q.detach().to(torch.int8).contiguous().cpu()
-        self.out_features, self.in_features = q.shape
-        self.packed = torch.empty(-(-self.out_features // _BLOCK) * _BLOCK * self.in_features, dtype=torch.int8)
-        lib.int8_pack(q.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
+        q = q.detach().to(device="cpu", dtype=torch.int8)
+        self.out_features, self.in_features = n, k = q.shape
+        padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.int8)  # zero columns never written
+        padded[:n] = q
+        # [N, K] -> strips of 8 columns, k-major inside a strip: [N / 8, K, 8]
+        self.packed = padded.view(-1, 8, k).transpose(1, 2).contiguous()
         self.scales = scales.detach().float().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._args = (self.packed.data_ptr(), self.out_features, self.scales.data_ptr(),
-                      0 if self.bias is None else self.bias.data_ptr())
         self._fn = lib.int8_linear
+        self._weights = self.packed.data_ptr()
+        self._scales = self.scales.data_ptr()
+        self._bias = 0 if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        if x.shape[-1] != self.in_features:  # the kernel trusts its sizes
+            raise ValueError(f"int8 linear: input has {x.shape[-1]} features, expected {self.in_features}")
+        rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or rows.stride(-1) != 1:
             rows = rows.float().contiguous()
         m, n = rows.shape[0], self.out_features
         y = torch.empty(m, n, dtype=torch.float32)
         if m:
-            packed, _, scales, bias = self._args
-            self._fn(rows.data_ptr(), m, self.in_features, rows.stride(0), packed, n, scales, bias,
-                     y.data_ptr(), n, torch.get_num_threads())
+            self._fn(rows.data_ptr(), m, self.in_features, rows.stride(0), self._weights, n,
+                     self._scales, self._bias, y.data_ptr(), n, torch.get_num_threads())
         return y.view(*x.shape[:-1], n)

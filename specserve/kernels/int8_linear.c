@@ -8,7 +8,7 @@
  * lands in, nor the thread that computes it changes a single bit of the result: a token gets
  * the same logits in a one-row decode step, a verification batch or a prefill chunk.
  *
- * Weights are packed by `int8_pack` into strips of 8 columns, k-major inside a strip
+ * Weights come packed (specserve.kernels.cpu_int8.PackedInt8) in strips of 8 columns, k-major inside a strip
  * ([N / 8][K][8] int8): a tile of C vectors reads C sequential streams and uses every byte of
  * every cache line it pulls, whatever its number of rows. N is padded to a multiple of BLOCK
  * with zero columns that are never written out; threads split blocks of BLOCK columns.
@@ -115,14 +115,3 @@ void int8_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t
     for (int64_t b = 0; b < blocks; b++)
         block_rows(x, M, ldx, K, packed + b * K * BLOCK, scale, bias, b * BLOCK, N, y, ldy);
 }
-
-/* w [N, K] int8 row-major -> packed [ceil(N / BLOCK) * BLOCK / 8][K][8], zero-padded. */
-void int8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
-    int64_t blocks = (N + BLOCK - 1) / BLOCK;
-    memset(packed, 0, blocks * K * BLOCK);
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t k = 0; k < K; k++)
-            packed[(n / 8) * K * 8 + k * 8 + n % 8] = w[n * K + k];
-}
-
-int int8_block(void) { return BLOCK; }

@@ -181,13 +181,9 @@ class LlamaForCausalLM(nn.Module):
         (specserve.model.quant.Int8Linear over our batch-invariant CPU kernel). The embedding
         stays in the model's dtype (a lookup reads one row), and so does `lm_head.weight`,
         which draft heads read (tied models share it with the embedding: no extra bytes)."""
-        from specserve.model.quant import Int8Linear
+        from specserve.model.quant import Int8Linear, quantize_linears
 
-        for layer in self.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, child in parent.named_children():
-                    if isinstance(child, nn.Linear):
-                        setattr(parent, name, Int8Linear.from_linear(child))
+        quantize_linears(self.layers)
         self.lm_head_q = Int8Linear.from_linear(self.lm_head)
 
     def finalize_weights(self) -> None:
