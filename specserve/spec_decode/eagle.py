@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specserve.config import DEFAULT_DRAFTS
@@ -106,10 +107,9 @@ class EagleProposer:
     def _top(self, out: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         """out: [N, hidden] -> each row's top-k draft log-probabilities and target token ids,
         as host lists (one transfer)."""
-        logits = self._lm_head(out).float()
-        top, ix = logits.topk(self.topk, -1)
+        top, ix = self._lm_head(out).float().log_softmax(-1).topk(self.topk, -1)
         ids = self.d2t[ix] if self.d2t is not None else ix
-        both = torch.cat([top - logits.logsumexp(-1, keepdim=True), ids.float()], 1).tolist()
+        both = torch.cat([top, ids.float()], 1).tolist()  # ids < 2^24: exact in float32
         return [r[:self.topk] for r in both], [[int(t) for t in r[self.topk:]] for r in both]
 
     def _pass(self, feats, ids, positions, segments) -> torch.Tensor:
@@ -134,8 +134,9 @@ class EagleProposer:
                 acc.extend(new)
         if todo:
             out = self._pass(*rows)
-            ends = torch.tensor([seg.rows for seg in rows[3]]).cumsum(0) - 1
-            for (c, n), end in zip(todo, ends.tolist()):
+            end = -1
+            for (c, n), seg in zip(todo, rows[3]):
+                end += seg.rows
                 c.pairs, c.last_out = n, out[end]
 
     @torch.inference_mode()
@@ -168,17 +169,17 @@ class EagleProposer:
             feats, ids, positions, segments = [], [], [], []
             for g in active:
                 past, num, f = g.cache.pairs, sum(r >= 0 for r in g.rows), len(g.frontier)
-                tree = [[False] * (num + f) for _ in range(f)]  # its ancestors' entries and its own
+                mask = np.zeros((f, past + num + f), dtype=bool)  # the pairs, its ancestors, itself
+                mask[:, :past] = True
                 for j, i in enumerate(g.frontier):
-                    node, tree[j][num + j] = i, True
+                    node, mask[j, past + num + j] = i, True
                     while (node := g.parents[node]) >= 0:
-                        tree[j][g.rows[node]] = True
+                        mask[j, past + g.rows[node]] = True
                     g.rows[i] = num + j
                     feats.append(g.outs[g.parents[i]] if g.parents[i] >= 0 else g.cache.last_out)
                     ids.append(g.tokens[i])
                     positions.append(g.position + d - 1)
-                mask = torch.cat([torch.ones(f, past, dtype=torch.bool), torch.tensor(tree)], 1).to(self.device)
-                segments.append(Segment(g.cache.kv, past + num, f, mask))
+                segments.append(Segment(g.cache.kv, past + num, f, torch.from_numpy(mask).to(self.device)))
             out = self._pass(feats, ids, positions, segments)
             at = 0
             for g in active:

@@ -110,17 +110,14 @@ class HeadAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
 
     def _attend_folded(self, q, keys, values, mask, past: int) -> torch.Tensor:
-        """q [T, H, D] against keys/values [Hkv, S, D]: the G query heads of a KV head are
-        folded into the query axis (no copies of K/V per head) -> [T, H*D]."""
-        t, _, d = q.shape
-        group = self.num_heads // self.num_kv
-        qf = q.view(t, self.num_kv, group, d).permute(1, 2, 0, 3).reshape(self.num_kv, group * t, d)
+        """q [T, H, D] against keys/values [Hkv, S, D] read in place (SDPA's grouped-query
+        mode, 4-D: on CPU the 3-D or repeated-K/V forms take the slow math kernel) -> [T, H*D]."""
+        t = q.shape[0]
         if mask is None and t > 1:  # causal over the new entries after the past ones
             mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)
-        if mask is not None:
-            mask = mask.repeat(group, 1)[None]
-        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
-        return out.view(self.num_kv, group, t, d).permute(2, 0, 1, 3).reshape(t, -1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                             attn_mask=mask, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(t, -1)
 
 
 class HeadMLP(nn.Module):
