@@ -93,10 +93,12 @@ class ModelRunner:
         # anything else reads them (training data capture: spec_decode.training.data)
         self.hidden_hooks: list = []
         self.num_blocks = cache_config.num_blocks or self._blocks_for(cache_config.kv_cache_memory_gb)
-        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(arch.num_layers)]
+        # one tensor per K and V for all layers ([L, num_blocks, block_size, Hkv, D]); each
+        # layer reads its own view, KV moves (move_kv) touch every layer in one call
+        shape = (arch.num_layers, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))
         logger.info("model ready in %.1f s on %s (%s%s, %s attention); KV cache: %d blocks of %d "
                     "tokens", time.time() - start, self.device, str(self.dtype).split(".")[-1],
                     ", int8 weights" if self.quantization == "int8" else "",
@@ -140,13 +142,11 @@ class ModelRunner:
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of cache slots src to slots dst in every layer (accepted draft paths
-        moving next to their roots): one call per layer."""
+        moving next to their roots): one call for all layers."""
         from specserve.kernels import compact_kv
 
-        src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
-        dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            compact_kv(k_cache, v_cache, src_t, dst_t)
+        slots = torch.tensor([src, dst], dtype=torch.int64, device=self.device)
+        compact_kv(self.k_cache, self.v_cache, slots[0], slots[1])
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
