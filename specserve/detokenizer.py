@@ -26,8 +26,14 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded output so far (complete characters only)
         self.stopped_text: str | None = None  # final text once a stop string matched
         self._max_stop = max((len(s) for s in stop), default=0)
+        # a fast tokenizer's Rust decoder directly (the same text without clean-up; a third of
+        # the Python wrapper's time, and it runs twice per output token)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend_decode = getattr(backend, "decode", None)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
                                      clean_up_tokenization_spaces=False)
 
