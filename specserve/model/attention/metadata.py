@@ -69,8 +69,11 @@ class StepIndex:
 
 
 def to_device(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """One host-to-device transfer of a numpy array."""
-    return torch.from_numpy(a).to(device=device, dtype=dtype)
+    """One host-to-device transfer of a numpy array (on the CPU, of int64: no copy at all)."""
+    t = torch.from_numpy(a)
+    if device.type == "cpu" and t.dtype == dtype:
+        return t
+    return t.to(device=device, dtype=dtype)
 
 
 @dataclass
@@ -114,6 +117,8 @@ def split_by_query_len(qlen: np.ndarray) -> list[list[int]] | None:
     lengths in ranges 1, 2-4, 5-16, 17-64, 65-256, ... (each padded at most 4x within its
     group), so decodes, verifies and prefill chunks do not pad to each other. None when one
     group holds everything (a plain decode step)."""
+    if len(qlen) == 1 or qlen.min() == qlen.max():
+        return None
     bucket = (np.ceil(np.log2(np.maximum(qlen, 1))) + 1) // 2  # 1 -> 0, 2-4 -> 1, 5-16 -> 2, ...
     keys = np.unique(bucket)
     if len(keys) == 1:
