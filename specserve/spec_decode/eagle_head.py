@@ -92,8 +92,8 @@ class HeadAttention(nn.Module):
             outs, at = [], 0
             for seg in segments:
                 rows = slice(at, at + seg.rows)
-                outs.append(self._attend_folded(q[rows], *seg.kv.write(seg.past, k[rows], v[rows]),
-                                                seg.mask, seg.past))
+                outs.append(self._attend_in_place(q[rows], *seg.kv.write(seg.past, k[rows], v[rows]),
+                                                  seg.mask, seg.past))
                 at += seg.rows
             return self.o_proj(torch.cat(outs)), k, v
         b, t = lead
@@ -109,7 +109,7 @@ class HeadAttention(nn.Module):
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None])
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
 
-    def _attend_folded(self, q, keys, values, mask, past: int) -> torch.Tensor:
+    def _attend_in_place(self, q, keys, values, mask, past: int) -> torch.Tensor:
         """q [T, H, D] against keys/values [Hkv, S, D] read in place (SDPA's grouped-query
         mode, 4-D: on CPU the 3-D or repeated-K/V forms take the slow math kernel) -> [T, H*D]."""
         t = q.shape[0]
