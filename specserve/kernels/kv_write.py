@@ -140,9 +140,8 @@ def compact_kv_ref(k_cache, v_cache, src_slots, dst_slots) -> None:
     kc, vc = _as_layered(k_cache), _as_layered(v_cache)
     src = src_slots.to(device=kc.device, dtype=torch.long)
     dst = dst_slots.to(device=kc.device, dtype=torch.long)
-    if bool((src < 0).any() | (dst < 0).any()):
-        keep = (src >= 0) & (dst >= 0)
-        src, dst = src[keep], dst[keep]
+    keep = (src >= 0) & (dst >= 0)
+    src, dst = src[keep], dst[keep]
     for cache in (kc, vc):
         slots = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [L, num_blocks * block_size, H, D]
         slots.index_copy_(1, dst, slots.index_select(1, src))  # gathered first: overlaps are safe

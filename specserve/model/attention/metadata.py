@@ -69,11 +69,8 @@ class StepIndex:
 
 
 def to_device(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """One host-to-device transfer of a numpy array (on the CPU, of int64: no copy at all)."""
-    t = torch.from_numpy(a)
-    if device.type == "cpu" and t.dtype == dtype:
-        return t
-    return t.to(device=device, dtype=dtype)
+    """One host-to-device transfer of a numpy array."""
+    return torch.from_numpy(a).to(device=device, dtype=dtype)
 
 
 @dataclass
