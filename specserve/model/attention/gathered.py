@@ -77,15 +77,17 @@ def write_and_attend(attend, q, k, v, k_cache, v_cache, meta: GatheredMetadata, 
     return out
 
 
-def gather_dense(q, k_cache, v_cache, meta: GatheredMetadata, with_values: bool = True):
+def gather_dense(q, k_cache, v_cache, meta: GatheredMetadata, with_values: bool = True,
+                 contiguous: bool = True):
     """Gather each request's context: queries [B, Hkv, G*Q, D] and keys/values [B, Hkv, L, D]
-    (G query heads per KV head folded into the row axis; values None without with_values)."""
+    (G query heads per KV head folded into the row axis; values None without with_values;
+    keys and values strided views of the gathered [B, L, Hkv, D] without `contiguous`)."""
     num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv
     num_reqs = meta.gather_slots.shape[0]
     max_q = meta.max_query_len
-    keys = gather_context(k_cache, meta.gather_slots)
-    values = gather_context(v_cache, meta.gather_slots) if with_values else None
+    keys = gather_context(k_cache, meta.gather_slots, contiguous)
+    values = gather_context(v_cache, meta.gather_slots, contiguous) if with_values else None
     if q.shape[0] != num_reqs * max_q:
         q = q.new_zeros(num_reqs * max_q, q.shape[1], head_dim).index_copy_(0, meta.query_dest, q)
     # [B*Q, Hkv*G, D] -> [B, Hkv, G*Q, D]
@@ -93,11 +95,14 @@ def gather_dense(q, k_cache, v_cache, meta: GatheredMetadata, with_values: bool 
     return queries.reshape(num_reqs, num_kv, group * max_q, head_dim), keys, values, group
 
 
-def gather_context(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, Hkv, D] at slots [B, L] -> [B, Hkv, L, D], contiguous."""
+def gather_context(cache: torch.Tensor, slots: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D] at slots [B, L] -> [B, Hkv, L, D]: contiguous, or
+    a transposed view of the gathered [B, L, Hkv, D] (SDPA reads strides; the copy that
+    `contiguous` makes cost more than the attention itself at 64 requests)."""
     num_kv, head_dim = cache.shape[2], cache.shape[3]
     flat = cache.view(-1, num_kv, head_dim).index_select(0, slots.reshape(-1))
-    return flat.view(*slots.shape, num_kv, head_dim).transpose(1, 2).contiguous()
+    out = flat.view(*slots.shape, num_kv, head_dim).transpose(1, 2)
+    return out.contiguous() if contiguous else out
 
 
 def scatter_dense(out: torch.Tensor, meta: GatheredMetadata, group: int, total: int) -> torch.Tensor:

@@ -51,7 +51,7 @@ class TorchAttention:
 
     @staticmethod
     def _attend(q, k_cache, v_cache, meta: DenseMetadata, scale: float) -> torch.Tensor:
-        queries, keys, values, group = gather_dense(q, k_cache, v_cache, meta)
+        queries, keys, values, group = gather_dense(q, k_cache, v_cache, meta, contiguous=False)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_mask_per_group(meta, group),
                                              scale=scale)
         return scatter_dense(out, meta, group, q.shape[0])
