@@ -89,3 +89,26 @@ def test_tiny_model_run_writes_json_and_png_and_is_lossless(tmp_path, tiny_model
         assert row["methods"]["ngram"]["tokens"] == row["methods"]["none"]["tokens"]
     table = capsys.readouterr().out
     assert "tok/s" in table and "mismatch" in table and "split dev" in table
+
+
+def test_interleaved_loops_time_only_their_own_steps(tiny_model_dir):
+    """Two engines stepping in turn: each gets the outputs it gets alone, and each run's
+    seconds are its own steps only (together no more than the wall clock)."""
+    import time
+
+    from specserve import LLM, SamplingParams
+    from specserve.bench.load import ClosedLoop, closed_loop, interleaved
+
+    common = {"max_model_len": 256, "enable_prefix_caching": False}
+    plain = LLM(str(tiny_model_dir), speculative_config=None, **common).engine
+    ngram = LLM(str(tiny_model_dir), speculative_config={"method": "ngram"}, **common).engine
+    prompts = [[1, 5, 9, 5, 9, 5, 9], [2, 7, 7, 7], [3, 4, 5, 6, 3, 4, 5], [8] * 5, [6, 2, 6, 2]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = closed_loop(plain, prompts, 2, params, "alone")
+    start = time.perf_counter()
+    runs = interleaved([ClosedLoop(plain, prompts, 2, params, "a"), ClosedLoop(ngram, prompts, 2, params, "b")])
+    wall = time.perf_counter() - start
+    assert [r.outputs for r in runs] == [alone.outputs, alone.outputs]
+    assert all(len(o) == 12 for o in alone.outputs) and runs[0].tokens == 5 * 12
+    assert 0 < runs[0].seconds and 0 < runs[1].seconds and runs[0].seconds + runs[1].seconds <= wall
+    assert not plain.has_unfinished_requests() and not ngram.has_unfinished_requests()

@@ -11,11 +11,13 @@ max(2c, 8). The request list cycles through the prompts when it is longer than t
 list, so at c = 64 every prompt appears several times. Every method runs the identical list at
 a level: plain decoding ("none", speculative_config=None) and each --config. Greedy, chat
 template applied, prefix caching off so that every run prefills its prompts whatever ran
-before it. One engine per method, all loaded before anything is timed; the order of the
-methods rotates from level to level to spread machine drift, and with --repeats N the median
-of N runs is reported.
+before it. One engine per method, all loaded before anything is timed. The methods run side by
+side: one engine step of each in turn, each run timing only its own steps, so that a machine
+whose speed drifts by tens of percent within a minute (shared cloud CPUs do) slows every
+method alike; --sequential runs them one after another instead, in an order rotated from
+level to level. With --repeats N the median of N runs is reported.
 
-Per (level, method): throughput (output tokens / wall seconds, prefill included), speedup over
+Per (level, method): throughput (output tokens / seconds of its own steps, prefill included), speedup over
 "none" at the same level, mean acceptance length (1 + accepted / drafts) and mismatches
 (requests whose token ids differ from plain decoding's; speculation is lossless, so 0).
 Writes a table to stdout and load.json + load.png into --out.
@@ -68,6 +70,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="requests finished per level (default: max(2 * concurrency, 8))")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per method and level; the median throughput is reported")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the methods one after another (default: their steps alternate, "
+                             "so that the machine's drift slows them alike)")
     parser.add_argument("--split", default="all", choices=SPLITS,
                         help="prompts to run (heldout: never used for tuning)")
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -139,32 +144,63 @@ class Run:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+class ClosedLoop:
+    """One method's pass over a level's request list, `concurrency` requests in flight (when
+    one finishes the next prompt is added), advanced one engine step at a time. `seconds`
+    counts only this loop's own work, so loops of several engines can alternate step by step
+    on one machine and each still measures itself."""
+
+    def __init__(self, engine, prompt_ids: list[list[int]], concurrency: int, params, tag: str) -> None:
+        self.engine, self.prompt_ids, self.params, self.tag = engine, prompt_ids, params, tag
+        s = engine.stats
+        self._before = (s.spec_num_drafts, s.spec_num_accepted_tokens, s.num_preemptions)
+        self.outputs: list[list[int] | None] = [None] * len(prompt_ids)
+        self.index: dict[str, int] = {}
+        self.seconds = 0.0
+        start = time.perf_counter()
+        while len(self.index) < min(concurrency, len(prompt_ids)):
+            self._submit()
+        self.seconds += time.perf_counter() - start
+
+    def _submit(self) -> None:
+        i = len(self.index)
+        self.index[f"{self.tag}-{i}"] = i
+        self.engine.add_request(f"{self.tag}-{i}", self.prompt_ids[i], self.params)
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        for out in self.engine.step():
+            if out.finished:
+                self.outputs[self.index[out.request_id]] = list(out.outputs[0].token_ids)
+                if len(self.index) < len(self.prompt_ids):
+                    self._submit()
+        self.seconds += time.perf_counter() - start
+
+    def result(self) -> Run:
+        s = self.engine.stats
+        drafts, accepted, preempted = (now - then for now, then in zip(
+            (s.spec_num_drafts, s.spec_num_accepted_tokens, s.num_preemptions), self._before))
+        return Run(tokens=sum(len(o) for o in self.outputs), seconds=self.seconds, drafts=drafts,
+                   accepted=accepted, preemptions=preempted, outputs=self.outputs)
+
+
 def closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, params, tag: str) -> Run:
     """Keep `concurrency` requests in flight until every prompt has finished."""
-    before = engine.stats
-    d0, a0, p0 = before.spec_num_drafts, before.spec_num_accepted_tokens, before.num_preemptions
-    outputs: list[list[int] | None] = [None] * len(prompt_ids)
-    index: dict[str, int] = {}
+    return interleaved([ClosedLoop(engine, prompt_ids, concurrency, params, tag)])[0]
 
-    def submit() -> None:
-        i = len(index)
-        index[f"{tag}-{i}"] = i
-        engine.add_request(f"{tag}-{i}", prompt_ids[i], params)
 
-    start = time.perf_counter()
-    while len(index) < min(concurrency, len(prompt_ids)):
-        submit()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
-                if len(index) < len(prompt_ids):
-                    submit()
-    seconds = time.perf_counter() - start
-    after = engine.stats
-    return Run(tokens=sum(len(o) for o in outputs), seconds=seconds,
-               drafts=after.spec_num_drafts - d0, accepted=after.spec_num_accepted_tokens - a0,
-               preemptions=after.num_preemptions - p0, outputs=outputs)
+def interleaved(loops: list[ClosedLoop]) -> list[Run]:
+    """Run several engines' loops side by side, one step of each in turn: a machine whose
+    speed drifts by tens of percent within a minute (shared cloud CPUs) slows them alike."""
+    while not all(loop.done for loop in loops):
+        for loop in loops:
+            if not loop.done:
+                loop.step()
+    return [loop.result() for loop in loops]
 
 
 def load_engines(args: argparse.Namespace, configs: list[tuple[str, dict]]) -> dict:
@@ -203,13 +239,18 @@ def warm_up(engines: dict, concurrency: int, params) -> None:
 
 
 def run_level(engines: dict, prompt_ids: list[list[int]], concurrency: int, level: int,
-              repeats: int, params) -> dict[str, list[Run]]:
-    """Every method over the same request list, `repeats` rounds in this level's order."""
+              repeats: int, params, sequential: bool = False) -> dict[str, list[Run]]:
+    """Every method over the same request list, `repeats` rounds in this level's order: the
+    methods' steps alternating (default), or one method's whole run after another."""
     runs: dict[str, list[Run]] = {m: [] for m in engines}
     order = rotated(list(engines), level)
     for rep in range(repeats):
-        for m in order:
-            r = closed_loop(engines[m].engine, prompt_ids, concurrency, params, f"{m}-c{concurrency}-r{rep}")
+        tags = [(engines[m].engine, f"{m}-c{concurrency}-r{rep}") for m in order]
+        if sequential:
+            results = [closed_loop(e, prompt_ids, concurrency, params, tag) for e, tag in tags]
+        else:
+            results = interleaved([ClosedLoop(e, prompt_ids, concurrency, params, tag) for e, tag in tags])
+        for m, r in zip(order, results):
             runs[m].append(r)
             print(f"  c={concurrency:<3} {m:<12} run {rep + 1}/{repeats}: {r.tokens} tokens in "
                   f"{r.seconds:.2f} s, {r.tokens_per_s:.1f} tok/s", flush=True)
@@ -251,7 +292,8 @@ def run(args: argparse.Namespace) -> dict:
         ids = request_list(prompt_ids, c, args.requests)
         print(f"concurrency {c}: {len(ids)} requests, order {', '.join(rotated(list(engines), level))}",
               flush=True)
-        table.append(summarise_level(c, run_level(engines, ids, c, level, args.repeats, params)))
+        table.append(summarise_level(c, run_level(engines, ids, c, level, args.repeats, params,
+                                                  args.sequential)))
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
               "dtype": str(first.engine.runner.dtype).removeprefix("torch."),
               "quantization": args.quantization,
@@ -283,7 +325,8 @@ def print_table(result: dict) -> None:
             line += (f"{s['tokens_per_s']:>9.1f}{s['speedup']:>9.2f}"
                      f"{s['mean_acceptance_length']:>9.2f}{s['mismatches']:>10}")
         print(line)
-    print("tok/s: output tokens / wall seconds (median of repeats); speedup over none at that level")
+    print("tok/s: output tokens / seconds of the method's own engine steps (median of repeats); "
+          "speedup over none at that level")
     preempted = sum(s["preemptions"] for row in result["rows"] for s in row["methods"].values())
     if preempted:
         print(f"note: {preempted} preemptions (KV cache full); see load.json")
