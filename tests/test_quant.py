@@ -134,8 +134,8 @@ def test_target_quantization_option_is_checked(monkeypatch):
     if cpu_int8.available():
         args = add_serve_args(argparse.ArgumentParser()).parse_args(["--quantization", "int8"])
         assert engine_config_from_args(args).model.quantization == "int8"
-    monkeypatch.setattr(cpu_int8, "_lib", None)
-    monkeypatch.setattr(cpu_int8, "_error", "this CPU lacks AVX2/FMA")
+    monkeypatch.setattr(cpu_int8._kernel, "_lib", None)
+    monkeypatch.setattr(cpu_int8._kernel, "_error", "this CPU lacks AVX2/FMA")
     with pytest.raises(ValueError, match="cannot run here .this CPU lacks AVX2/FMA"):
         EngineConfig.create(quantization="int8", device="cpu")
 

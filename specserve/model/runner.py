@@ -88,7 +88,8 @@ class ModelRunner:
         if self.quantization == "int8":
             self.model.quantize_int8()
         self.model.finalize_weights()
-        self.backend = get_attention_backend(self.device, self.dtype)
+        self.backend = get_attention_backend(self.device, self.dtype,
+                                             (arch.num_heads, arch.num_kv_heads, arch.head_dim))
         # callables (sched, hidden [T, hidden]) shown every step's final hidden states, before
         # anything else reads them (training data capture: spec_decode.training.data)
         self.hidden_hooks: list = []

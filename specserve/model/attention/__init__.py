@@ -11,6 +11,9 @@ metadata itself, once per step, for every layer to share:
 Backends (same interface):
   * `TorchAttention` (sdpa.py): the CPU reference. It gathers every request's context into one
     padded [B, L] batch (gathered.py) and runs one SDPA call per layer with a dense mask.
+  * `CPUPagedAttention` (cpu_paged.py): the CPU float32 backend. Decode and verify rows read
+    the paged cache in place (our AVX2 kernel, specserve/kernels/paged_attention.c); prefill
+    chunks take TorchAttention's path.
   * `InvariantAttention` (invariant.py): the CPU backend for bfloat16. Same gathered layout,
     but every query row's result is bitwise independent of the batch around it, which is what
     makes speculation exactly lossless in bfloat16.
@@ -26,6 +29,7 @@ import torch
 
 from specserve.config import env_str
 
+from .cpu_paged import CPUPagedAttention, CPUPagedMetadata
 from .gathered import GatheredMetadata
 from .invariant import KEY_CHUNK, InvariantAttention, LogicalMetadata, _sum_chunks
 from .metadata import AttentionBackend, AttentionMetadata, StepIndex, split_by_query_len
@@ -36,20 +40,31 @@ __all__ = [
     "AttentionMetadata", "StepIndex", "split_by_query_len", "get_attention_backend", "AttentionBackend",
     "TorchAttention", "DenseMetadata", "GatheredMetadata",
     "InvariantAttention", "LogicalMetadata", "KEY_CHUNK", "_sum_chunks",
-    "TritonAttention", "PagedMetadata",
+    "TritonAttention", "PagedMetadata", "CPUPagedAttention", "CPUPagedMetadata",
 ]
 
-def get_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """SPECSERVE_ATTENTION_BACKEND = auto | torch | invariant | triton. auto: Triton on CUDA;
-    on CPU the invariant backend for bfloat16 and SDPA (TorchAttention) otherwise."""
+def get_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32,
+                          shape: tuple[int, int, int] | None = None) -> AttentionBackend:
+    """SPECSERVE_ATTENTION_BACKEND = auto | torch | cpu | invariant | triton. auto: Triton on
+    CUDA; on CPU the invariant backend for bfloat16, our paged kernel (cpu) for float32 where
+    it builds and covers the model's (heads, KV heads, head size) `shape`, SDPA (torch)
+    otherwise."""
+    from specserve.kernels import cpu_attention
+
     choice = env_str("ATTENTION_BACKEND", "auto")
     if choice == "auto":
         if device.type == "cuda":
             choice = "triton"
+        elif dtype == torch.bfloat16:
+            choice = "invariant"
         else:
-            choice = "invariant" if dtype == torch.bfloat16 else "torch"
-    backends = {"torch": TorchAttention, "invariant": InvariantAttention, "triton": TritonAttention}
+            choice = "cpu" if shape is not None and cpu_attention.supports(*shape, dtype) else "torch"
+    backends = {"torch": TorchAttention, "cpu": CPUPagedAttention, "invariant": InvariantAttention,
+                "triton": TritonAttention}
     if choice not in backends:
-        raise ValueError(f"SPECSERVE_ATTENTION_BACKEND: expected auto, torch, invariant or triton, "
+        raise ValueError(f"SPECSERVE_ATTENTION_BACKEND: expected auto, torch, cpu, invariant or triton, "
                          f"got {choice!r}")
+    if choice == "cpu" and not cpu_attention.available():
+        raise ValueError(f"SPECSERVE_ATTENTION_BACKEND=cpu: the kernel is unavailable "
+                         f"({cpu_attention.why_unavailable()})")
     return backends[choice]()

@@ -36,10 +36,11 @@ M = TypeVar("M", bound=GatheredMetadata)
 
 
 def build_in_parts(cls: type[M], step: StepIndex, device: torch.device,
-                   build_one: Callable[[StepIndex], M]) -> M:
-    """build_one(step), or one cls holding build_one(group) per query-length group."""
-    groups = split_by_query_len(step.qlen)
-    if groups is None:
+                   build_one: Callable[[StepIndex], M], groups: list[list[int]] | None = None) -> M:
+    """build_one(step), or one cls holding build_one(group) per group of requests (default:
+    per query-length group, split_by_query_len)."""
+    groups = groups or split_by_query_len(step.qlen)
+    if groups is None or len(groups) == 1:
         return build_one(step)
     parts = []
     for g in groups:

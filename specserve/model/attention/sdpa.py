@@ -57,10 +57,10 @@ class TorchAttention:
         return scatter_dense(out, meta, group, q.shape[0])
 
 
-def _build_dense(step: StepIndex, device: torch.device) -> DenseMetadata:
+def _build_dense(step: StepIndex, device: torch.device, cls: type[DenseMetadata] = DenseMetadata) -> DenseMetadata:
     max_q, max_l = int(step.qlen.max()), int(step.seq.max())
     layout, ctx = gather_layout(step, device, max_l)
-    meta = DenseMetadata(**AttentionMetadata.common(step, device), **layout)
+    meta = cls(**AttentionMetadata.common(step, device), **layout)
     seq, qlen, trees = step.seq, step.qlen, step.tree_parents
     if max_q > 1 or trees is not None or (seq != max_l).any():
         q_pos = step.prefix[:, None] + np.arange(max_q)[None, :]  # [B, Q]

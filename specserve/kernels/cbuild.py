@@ -1,0 +1,90 @@
+"""Our C kernels for x86 CPUs (AVX2/FMA): compiled once, loaded through ctypes.
+
+A source is compiled with the system's C compiler (gcc or cc, `-O3 -mavx2 -mfma -fopenmp`)
+into `$SPECSERVE_CACHE_DIR/kernels/`, keyed by the source's hash, and called through ctypes,
+which releases the GIL. The libraries share torch's OpenMP runtime (same soname) and use
+torch's thread count. `Kernel(source, declare).lib` is the loaded library or None, and
+`why_unavailable()` says why: no AVX2/FMA, no compiler, or the build failed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def build(source_path: Path) -> Path:
+    """The compiled library of a C source (cached by content); RuntimeError when it cannot be."""
+    from specserve.model.loader import cache_root
+
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
+        raise RuntimeError("this CPU lacks AVX2/FMA")
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not compiler:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    source = source_path.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"{source_path.stem}-{digest}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        proc = subprocess.run([compiler, *FLAGS, str(source_path), "-o", str(built)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(built, out)  # atomic: concurrent builders each publish a whole file
+    logger.info("compiled %s into %s", source_path.name, out)
+    return out
+
+
+class Kernel:
+    """A C source built and loaded on first use; `declare(lib)` sets its functions' types."""
+
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
+        self.source, self.declare = source, declare
+        self._lib: ctypes.CDLL | None = None
+        self._error: str | None = None
+
+    @property
+    def lib(self) -> ctypes.CDLL | None:
+        if self._lib is None and self._error is None:
+            try:
+                lib = ctypes.CDLL(str(build(self.source)))
+                self.declare(lib)
+                self._lib = lib
+            except (OSError, RuntimeError) as e:
+                self._error = str(e)
+                logger.info("%s unavailable: %s", self.source.name, self._error)
+        return self._lib
+
+    def available(self) -> bool:
+        return self.lib is not None
+
+    def why_unavailable(self) -> str | None:
+        _ = self.lib
+        return self._error

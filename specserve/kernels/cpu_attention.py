@@ -1,0 +1,77 @@
+"""Paged attention for decode and verify rows on x86 CPUs: our AVX2/FMA kernel
+(`paged_attention.c`), float32.
+
+It reads each request's keys and values in place through the block table, where the SDPA path
+first gathers every request's context into a padded batch (a copy of the whole context per
+layer and step). Each row's result is independent of the batch around it (see the C source).
+Built and loaded by specserve.kernels.cbuild; `available()` says whether it can run here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from specserve.kernels.cbuild import Kernel
+
+MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in paged_attention.c)
+MAX_ROWS = 16  # query tokens per request (MAX_ROWS)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr,
+                                    ptr, i64, ctypes.c_float, ptr, ctypes.c_int]
+    lib.paged_attention.restype = ctypes.c_int
+
+
+_kernel = Kernel(Path(__file__).with_name("paged_attention.c"), _declare)
+
+
+def available() -> bool:
+    return _kernel.available()
+
+
+def why_unavailable() -> str | None:
+    return _kernel.why_unavailable()
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel covers a model of this shape and dtype on this machine."""
+    return (dtype == torch.float32 and head_dim % 8 == 0 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP and available())
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start: torch.Tensor, dense: torch.Tensor,
+                    extra_ptr: torch.Tensor, extra_pos: torch.Tensor, max_keys: int,
+                    scale: float) -> torch.Tensor:
+    """q [T, Hq, D] float32; caches [num_blocks, block_size, Hkv, D] (contiguous); block_tables
+    [B, max_blocks], query_start [B + 1] (at most MAX_ROWS tokens per request), dense [T],
+    extra_ptr [T + 1], extra_pos: int64 -> out [T, Hq, D]. Token t of request b sees positions
+    0 .. dense[t] - 1 of b's context, then extra_pos[extra_ptr[t]:extra_ptr[t + 1]]; max_keys
+    bounds dense + extras over the tokens."""
+    lib = _kernel.lib
+    assert lib is not None, _kernel.why_unavailable()
+    q = q.contiguous()
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv, _ = k_cache.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype == torch.float32):
+        raise ValueError("paged_attention: float32 query and contiguous float32 caches expected")
+    for t in (block_tables, query_start, dense, extra_ptr, extra_pos):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError("paged_attention: index tensors must be contiguous int64")
+    if len(query_start) > 1 and int((query_start[1:] - query_start[:-1]).max()) > MAX_ROWS:
+        raise ValueError(f"paged_attention: at most {MAX_ROWS} query tokens per request")
+    out = torch.empty_like(q)
+    if num_tokens:
+        rc = lib.paged_attention(q.data_ptr(), len(query_start) - 1, num_heads, num_kv, head_dim,
+                                 k_cache.data_ptr(), v_cache.data_ptr(), block_size,
+                                 block_tables.data_ptr(), block_tables.shape[1], query_start.data_ptr(),
+                                 dense.data_ptr(), extra_ptr.data_ptr(), extra_pos.data_ptr(),
+                                 max_keys, scale, out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("paged_attention: could not allocate scratch memory")
+    return out

@@ -1,0 +1,83 @@
+"""Our CPU paged-attention kernel (specserve/kernels/paged_attention.c) through its backend,
+CPUPagedAttention: decode, chain and tree rows read in place match the SDPA backend (itself
+checked against the references), a prefill chunk beside them takes the SDPA path, and a row's
+result is the same bits whatever the batch around it."""
+
+import pytest
+import torch
+
+from specserve.kernels import cpu_attention
+from specserve.model import attention as A
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(),
+                                reason=f"CPU attention kernel unavailable: {cpu_attention.why_unavailable()}")
+
+
+def attend(backend, b, q_lens, trees=None, rows=None):
+    """The backend over the batch (the new tokens' K/V are already in the cache), or over the
+    requests `rows` only."""
+    keep = range(len(q_lens)) if rows is None else rows
+    seq = [int(b["seq_lens"][r]) for r in keep]
+    lens = [q_lens[r] for r in keep]
+    tables = [b["block_tables"][r].tolist() for r in keep]
+    starts = b["query_start_loc"].tolist()
+    q = torch.cat([b["q"][starts[r]:starts[r + 1]] for r in keep])
+    meta = backend.build_metadata(seq, lens, tables, b["k_cache"].shape[1], torch.device("cpu"),
+                                  None if trees is None else [trees[r] for r in keep])
+    kv = b["k_cache"].shape[2]
+    k, v = b["k_cache"].view(-1, kv, b["k_cache"].shape[3]), b["v_cache"].view(-1, kv, b["v_cache"].shape[3])
+    return backend(q, k[meta.slot_mapping].clone(), v[meta.slot_mapping].clone(), b["k_cache"], b["v_cache"],
+                   meta, b["scale"])
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 1, 72)])
+def test_decode_chain_and_tree_rows_match_sdpa(make_batch, heads):
+    hq, hkv, d = heads
+    q_lens, prefix = [1, 4, 6, 1, 3], [40, 17, 33, 0, 70]
+    trees = [None, None, [-1, 0, 0, 1, 2, 1], None, [-1, 0, 0]]
+    b = make_batch(q_lens, prefix, hq, hkv, d, 16, seed=4)
+    out = attend(A.CPUPagedAttention(), b, q_lens, trees)
+    torch.testing.assert_close(out, attend(A.TorchAttention(), b, q_lens, trees), atol=1e-5, rtol=1e-5)
+
+
+def test_a_prefill_chunk_beside_decodes_takes_the_sdpa_path(make_batch):
+    q_lens, prefix = [1, 100, 3, 1], [30, 0, 12, 70]
+    b = make_batch(q_lens, prefix, 6, 2, 32, 16, seed=2)
+    backend = A.CPUPagedAttention()
+    meta = backend.build_metadata(b["seq_lens"].tolist(), q_lens, [r.tolist() for r in b["block_tables"]],
+                                  16, torch.device("cpu"))
+    assert [(g.tolist(), sub.query_start is not None) for g, sub in meta.parts] == [
+        ([0, 101, 102, 103, 104], True), (list(range(1, 101)), False)]
+    torch.testing.assert_close(attend(backend, b, q_lens), attend(A.TorchAttention(), b, q_lens),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_row_has_the_same_bits_alone_and_in_any_batch(make_batch):
+    q_lens, prefix = [1, 5, 1, 3], [25, 60, 200, 9]
+    trees = [None, [-1, 0, 1, 1, 0], None, None]
+    b = make_batch(q_lens, prefix, 9, 3, 64, 16, seed=5)
+    backend = A.CPUPagedAttention()
+    whole = attend(backend, b, q_lens, trees)
+    starts = b["query_start_loc"].tolist()
+    for rows in ([1], [2], [3, 1], [1, 0]):
+        part = attend(backend, b, q_lens, trees, rows)
+        expect = torch.cat([whole[starts[r]:starts[r + 1]] for r in rows])
+        assert torch.equal(part, expect), rows
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(attend(backend, b, q_lens, trees), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_auto_picks_the_kernel_for_float32_only(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_ATTENTION_BACKEND", raising=False)
+    cpu = torch.device("cpu")
+    assert isinstance(A.get_attention_backend(cpu, torch.float32, (9, 3, 64)), A.CPUPagedAttention)
+    assert type(A.get_attention_backend(cpu, torch.float32, (9, 3, 60))) is A.TorchAttention  # D % 8
+    assert type(A.get_attention_backend(cpu, torch.float32, (64, 2, 64))) is A.TorchAttention  # G > 16
+    assert type(A.get_attention_backend(cpu, torch.float16, (9, 3, 64))) is A.TorchAttention
+    assert isinstance(A.get_attention_backend(cpu, torch.bfloat16, (9, 3, 64)), A.InvariantAttention)
+    monkeypatch.setenv("SPECSERVE_ATTENTION_BACKEND", "torch")
+    assert type(A.get_attention_backend(cpu, torch.float32, (9, 3, 64))) is A.TorchAttention
