@@ -239,34 +239,52 @@ def test_tree_shape_and_the_cost_models_cut(tmp_path):
         kv.free(r)
 
 
-def test_a_gated_off_head_adds_no_work(tmp_path):
-    """A head that does not pay runs on no step but its probes; a probe catches the head up on
-    every committed token since its last run in one batched pass, and output stays exact."""
-    ref = greedy_ids(tiny_llm(tmp_path))
-    llm = tiny_llm(tmp_path, {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")),
-                              "lookup_branch": 0, "quantization": "none"})
+def _count_head_passes(llm, window: int | None = None) -> list[list[int]]:
+    """A head that never pays (its pass priced at 100 s); per engine step, the rows of each
+    head pass it ran."""
     spec = llm.engine.spec
-    spec.policy.draft_cost = Curve({1: 100.0})  # a head pass costs 100 s: it never pays
+    spec.policy.draft_cost = Curve({1: 100.0})
+    if window is not None:
+        spec.proposer.window = window
     head, passes = spec.proposer.head, []
-    forward = head.forward
+    forward, step = head.forward, llm.engine.step
 
     def counted(*args, **kwargs):
         passes[-1].append(sum(s.rows for s in kwargs["segments"]))
         return forward(*args, **kwargs)
 
-    head.forward = counted
-    step = llm.engine.step
-
     def counted_step():
         passes.append([])
         return step()
 
-    llm.engine.step = counted_step
+    head.forward, llm.engine.step = counted, counted_step
+    return passes
+
+
+def test_a_gated_off_head_adds_no_work(tmp_path):
+    """A head that does not pay runs on no step but its probes; a probe catches the head up on
+    every committed token since its last run in one batched pass (after the prompt's, at most
+    `window` of them), and output stays exact."""
+    ref = greedy_ids(tiny_llm(tmp_path))
+    config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "lookup_branch": 0,
+              "quantization": "none"}
+    llm = tiny_llm(tmp_path, config)
+    passes = _count_head_passes(llm)
     assert greedy_ids(llm, PROMPTS[:1]) == ref[:1]
     active = [i for i, p in enumerate(passes) if p]
     assert len(passes) > 2 * PROBE_FIRST and 0 < len(active) <= 2  # probes only (8, then 16 steps later)
     for before, at in zip(active, active[1:]):  # one catch-up pass over every pair since, then the tree
         assert passes[at][0] >= at - before and all(rows <= 2 for rows in passes[at][1:])
+
+    longer = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    ref = greedy_ids(tiny_llm(tmp_path), PROMPTS[:1], longer)
+    llm = tiny_llm(tmp_path, config)  # a gap longer than the window: the last `window` pairs only
+    passes = _count_head_passes(llm, window=4)
+    llm.engine.spec.policy.realized.margin = -0.99  # never off as a whole: the head's own probes
+    assert greedy_ids(llm, PROMPTS[:1], longer) == ref
+    active = [i for i, p in enumerate(passes) if p]
+    assert len(active) >= 2 and passes[active[0]][0] > 4  # the prompt's pass whole
+    assert all(passes[at][0] == 4 for at in active[1:])
 
 
 def test_lookup_chains_alone_keep_greedy_output(tmp_path):
