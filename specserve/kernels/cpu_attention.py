@@ -63,8 +63,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for t in (block_tables, query_start, dense, extra_ptr, extra_pos):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError("paged_attention: index tensors must be contiguous int64")
-    if len(query_start) > 1 and int((query_start[1:] - query_start[:-1]).max()) > MAX_ROWS:
-        raise ValueError(f"paged_attention: at most {MAX_ROWS} query tokens per request")
     out = torch.empty_like(q)
     if num_tokens:
         rc = lib.paged_attention(q.data_ptr(), len(query_start) - 1, num_heads, num_kv, head_dim,
@@ -72,6 +70,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                  block_tables.data_ptr(), block_tables.shape[1], query_start.data_ptr(),
                                  dense.data_ptr(), extra_ptr.data_ptr(), extra_pos.data_ptr(),
                                  max_keys, scale, out.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise ValueError(f"paged_attention: at most {MAX_ROWS} query tokens per request")
         if rc != 0:
             raise MemoryError("paged_attention: could not allocate scratch memory")
     return out

@@ -181,13 +181,16 @@ static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t 
  * query_start: [B + 1] (request b's tokens are query_start[b] .. query_start[b + 1] - 1, at most
  * MAX_ROWS); dense: [T]; extra_ptr: [T + 1]; extra_pos: [extra_ptr[T]]. D % 8 == 0,
  * Hq / Hkv <= MAX_GROUP, max_keys >= every token's dense + extras (checked by the caller).
- * Returns 0, or -1 when scratch memory could not be allocated. */
+ * Returns 0; -1 when scratch memory could not be allocated; -2 (before any work) when a request
+ * has more than MAX_ROWS tokens. */
 int paged_attention(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                     const float *k_cache, const float *v_cache, int64_t block_size,
                     const int64_t *block_tables, int64_t max_blocks, const int64_t *query_start,
                     const int64_t *dense, const int64_t *extra_ptr, const int64_t *extra_pos,
                     int64_t max_keys, float scale, float *out, int threads) {
     const int64_t G = Hq / Hkv, tasks = B * Hkv, rows = MAX_ROWS * G;
+    for (int64_t b = 0; b < B; b++)
+        if (query_start[b + 1] - query_start[b] > MAX_ROWS) return -2;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {

@@ -81,3 +81,12 @@ def test_auto_picks_the_kernel_for_float32_only(monkeypatch):
     assert isinstance(A.get_attention_backend(cpu, torch.bfloat16, (9, 3, 64)), A.InvariantAttention)
     monkeypatch.setenv("SPECSERVE_ATTENTION_BACKEND", "torch")
     assert type(A.get_attention_backend(cpu, torch.float32, (9, 3, 64))) is A.TorchAttention
+
+
+def test_more_rows_than_the_kernel_takes_is_a_clear_error(make_batch):
+    b = make_batch([17], [5], 4, 2, 32, 16)
+    ptr = torch.zeros(18, dtype=torch.int64)
+    with pytest.raises(ValueError, match="at most 16 query tokens"):
+        cpu_attention.paged_attention(b["q"], b["k_cache"], b["v_cache"], b["block_tables"].long(),
+                                      torch.tensor([0, 17]), torch.arange(6, 23), ptr,
+                                      torch.zeros(0, dtype=torch.int64), 22, b["scale"])

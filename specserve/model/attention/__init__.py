@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from specserve.config import env_str
+from specserve.kernels import cpu_attention
 
 from .cpu_paged import CPUPagedAttention, CPUPagedMetadata
 from .gathered import GatheredMetadata
@@ -49,8 +50,6 @@ def get_attention_backend(device: torch.device, dtype: torch.dtype = torch.float
     CUDA; on CPU the invariant backend for bfloat16, our paged kernel (cpu) for float32 where
     it builds and covers the model's (heads, KV heads, head size) `shape`, SDPA (torch)
     otherwise."""
-    from specserve.kernels import cpu_attention
-
     choice = env_str("ATTENTION_BACKEND", "auto")
     if choice == "auto":
         if device.type == "cuda":

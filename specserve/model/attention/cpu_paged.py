@@ -20,7 +20,7 @@ import torch
 from specserve.kernels import cpu_attention
 from specserve.model import tree_mask
 
-from .gathered import build_in_parts, write_and_attend
+from .gathered import build_in_parts
 from .metadata import AttentionMetadata, StepIndex, TreeParents, split_by_query_len, to_device
 from .sdpa import DenseMetadata, TorchAttention, _build_dense
 
@@ -54,11 +54,9 @@ class CPUPagedAttention(TorchAttention):
                               else _build_dense(s, device, CPUPagedMetadata),
                               ([np.flatnonzero(short).tolist()] if short.any() else []) + groups)
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
-        return write_and_attend(self._attend_any, q, k, v, k_cache, v_cache, meta, scale)
-
     @staticmethod
-    def _attend_any(q, k_cache, v_cache, meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
+    def _attend(q, k_cache, v_cache, meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
+        """One part of the step (TorchAttention.__call__ writes the K/V and splits the parts)."""
         if meta.query_start is None:
             return TorchAttention._attend(q, k_cache, v_cache, meta, scale)
         return cpu_attention.paged_attention(q, k_cache, v_cache, meta.table, meta.query_start, meta.dense,
