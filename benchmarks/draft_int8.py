@@ -86,7 +86,7 @@ def main() -> None:
     batch = ProposeBatch([req.request_id], [req.all_token_ids], [args.m], -float("inf"), [req.params], [0],
                          [req.block_ids], [req.num_computed_tokens])
     for prop in heads.values():  # the prompt's features, and the head's pass over the whole prompt
-        prop.observe([req.request_id], [0], [hidden])
+        prop.observe([req.request_id], [0], [len(hidden)], hidden)
         prop.propose(batch)
     times = {name: float("inf") for name in heads}
     trees = {}

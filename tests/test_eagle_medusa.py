@@ -214,7 +214,8 @@ def test_tree_shape_and_the_cost_models_cut(tmp_path):
     reqs = [Request(str(i), p, SamplingParams(temperature=0), set(), 0)
             for i, p in enumerate([[5, 9, 17, 33, 2], [7, 7, 1, 80, 44, 3, 12]])]
     for r in reqs:
-        prop.observe([r.request_id], [0], [prompt_features(runner, kv, r)])
+        h = prompt_features(runner, kv, r)
+        prop.observe([r.request_id], [0], [len(h)], h)
         r.all_token_ids.append(11)  # one pending token, as after a step
     full = prop.propose(propose_batch(reqs, 8))
     assert [len(check_tree(t)) for t in full] == [8, 8] and all(max(t.depth) <= 3 for t in full)
@@ -336,6 +337,23 @@ def test_medusa_tree_is_validated():
             tree_from_choices(bad, 2)
 
 
+def test_medusa_own_lm_heads_fused_into_one_product():
+    """fuse_lm_heads: one batched product gives each head's own LM head logits; the
+    checkpoint layout (state dict keys and values) is unchanged."""
+    from specserve.spec_decode.medusa import MedusaHeads
+
+    heads = MedusaHeads(3, 1, 64, vocab=96)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape))
+    x, state = torch.randn(5, 64), {k: v.clone() for k, v in heads.state_dict().items()}
+    want = heads.logits(x, None)
+    heads.fuse_lm_heads()
+    torch.testing.assert_close(heads.logits(x, None), want)
+    after = heads.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in after.items())
+
+
 def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
     from specserve.spec_decode.draft_tree import path_of
 
@@ -389,7 +407,8 @@ def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
     save_eagle(head, None, tmp_path / "head", dtype=torch.float32)
     prop = EagleProposer(runner.model, tmp_path / "head", 3, depth=3, topk=1)
     req = Request("r", [5, 9, 17, 33, 2, 8, 8, 1, 4, 60, 12], SamplingParams(temperature=0), set(), 0)
-    prop.observe(["r"], [0], [prompt_features(runner, kv, req)])  # f_0..f_{n-1}
+    h = prompt_features(runner, kv, req)  # f_0..f_{n-1}
+    prop.observe(["r"], [0], [len(h)], h)
     req.all_token_ids.append(int(runner.model.compute_logits(prop.cache["r"].feats[-1][None]).argmax()))
     chain = prop.propose(propose_batch([req], 3))[0]
     assert chain.is_chain and len(chain) == 3

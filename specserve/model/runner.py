@@ -133,12 +133,11 @@ class ModelRunner:
         meta = self.backend.build_metadata(seq_lens, list(sched.num_tokens),
                                            [r.block_ids for r in sched.requests], self.block_size,
                                            self.device, tree_parents)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        every = self.model(input_ids, pos, self.kv_caches, meta, self.backend)
+        ids_pos = torch.tensor([ids, positions], dtype=torch.int64, device=self.device)
+        every = self.model(ids_pos[0], ids_pos[1], self.kv_caches, meta, self.backend)
         for hook in self.hidden_hooks:
             hook(sched, every)
-        hidden = every.index_select(0, torch.tensor(row_index, dtype=torch.int64, device=self.device))
+        hidden = every if len(row_index) == len(ids) else every.index_select(0, ids_pos.new_tensor(row_index))
         return StepLogits(self.model.compute_logits(hidden), hidden, row_start, num_rows, every)
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:

@@ -205,8 +205,10 @@ class SpecDecoder:
             starts.append(req.num_computed_tokens)
             sizes.append(len(committed))
             off += n
-        hidden = step.all_hidden.index_select(0, torch.tensor(index, device=step.all_hidden.device))
-        self.proposer.observe(ids, starts, list(hidden.split(sizes)))
+        hidden = step.all_hidden
+        if len(index) < len(hidden):  # drafts not accepted, or rows of requests not shown
+            hidden = hidden.index_select(0, torch.tensor(index, device=hidden.device))
+        self.proposer.observe(ids, starts, sizes, hidden)
 
     # -- drafting --------------------------------------------------------------------------------
     def propose(self, running: list[Request]) -> None:

@@ -62,7 +62,7 @@ class DraftModelProposer:
         self.vocab_size = arch.vocab_size
         self._state: dict[str, _DraftState] = {}
 
-    def observe(self, request_ids, starts, hidden) -> None:  # the draft runs on tokens alone
+    def observe(self, request_ids, starts, sizes, hidden) -> None:  # the draft runs on tokens alone
         pass
 
     def free(self, request_id: str) -> None:
@@ -130,19 +130,17 @@ class DraftModelProposer:
         meta = runner.backend.build_metadata([s + len(f) for s, f in zip(starts, feeds)],
                                              [len(f) for f in feeds], block_ids,
                                              runner.block_size, runner.device)
-        dev = runner.device
-        hidden = runner.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                              torch.tensor(positions, dtype=torch.int64, device=dev),
-                              runner.kv_caches, meta, runner.backend)
-        hidden = hidden.index_select(0, torch.tensor(last, dtype=torch.int64, device=dev))
+        ids_pos = torch.tensor([ids, positions], dtype=torch.int64, device=runner.device)
+        hidden = runner.model(ids_pos[0], ids_pos[1], runner.kv_caches, meta, runner.backend)
+        if len(last) < len(ids):  # a catch-up: each request's last row
+            hidden = hidden.index_select(0, ids_pos.new_tensor(last))
         return runner.model.compute_logits(hidden)
 
     def _sample(self, logits: torch.Tensor, batch: ProposeBatch, rows: list[int], done: list[int]):
         """Draft token per row, its log q, and the draft distribution q [B, V] (None: all greedy)."""
-        greedy_ids = logits.argmax(-1)
+        top, greedy_ids = logits.max(-1)  # the first of equal maxima, as argmax
         if all(batch.params[j].greedy for j in rows):
-            logq = torch.log_softmax(logits, -1).gather(1, greedy_ids[:, None])[:, 0]
-            return greedy_ids.tolist(), logq.tolist(), None
+            return greedy_ids.tolist(), (top - logits.logsumexp(-1)).tolist(), None
         params = [_no_penalties(batch.params[j]) for j in rows]
         positions = [len(batch.token_ids[j]) + d for j, d in zip(rows, done)]
         # a seeded request is verified against the target's own draws (coupled): drafting with

@@ -105,10 +105,10 @@ class ProposeBatch:
 class Proposer(Protocol):
     """Drafts the next tokens of running requests; owns only caches of what it was shown.
 
-    * `observe(request_ids, starts, hidden)`: the target's final hidden states of newly
-      computed committed tokens, positions starts[i] .. starts[i] + len(hidden[i]) - 1 of
-      request i (anything the proposer holds at or past starts[i] is stale). Called only when
-      `needs_hidden`.
+    * `observe(request_ids, starts, sizes, hidden)`: the target's final hidden states of newly
+      computed committed tokens, request after request in the rows of hidden: positions
+      starts[i] .. starts[i] + sizes[i] - 1 of request i (anything the proposer holds at or past
+      starts[i] is stale). Called only when `needs_hidden`.
     * `propose(batch)`: one DraftTree (or None: no draft) per request of the batch, at most
       batch.max_drafts[i] nodes each.
     * `free(request_id)`: forget the request (finished, aborted or preempted).
@@ -119,7 +119,7 @@ class Proposer(Protocol):
     name: str
     needs_hidden: bool
 
-    def observe(self, request_ids: list[str], starts: list[int], hidden: list[torch.Tensor]) -> None:
+    def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
         ...
 
     def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:

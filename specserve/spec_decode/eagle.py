@@ -92,10 +92,11 @@ class EagleProposer:
         self.window = CATCH_UP_WINDOW
 
     # -- state ------------------------------------------------------------------------------------
-    def observe(self, request_ids: list[str], starts: list[int], hidden: list[torch.Tensor]) -> None:
-        """Target features of positions start .. start + n - 1; anything cached at or past
-        `start` is dropped first (rollback, recompute)."""
-        for rid, start, h in zip(request_ids, starts, hidden):
+    def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
+        """Target features of positions start .. start + n - 1 (the next n rows of hidden);
+        anything cached at or past `start` is dropped first (rollback, recompute)."""
+        rows, end = hidden.to(self.dtype).unbind(0), 0
+        for rid, start, n in zip(request_ids, starts, sizes):
             c = self.cache.get(rid)
             if c is None or not c.base <= start <= c.base + len(c.feats):
                 # new, or a gap (prefix-cache hit: the target never computed those features)
@@ -103,7 +104,8 @@ class EagleProposer:
             del c.feats[start - c.base:]
             if c.pairs > start - c.base:
                 c.pairs, c.last_out = start - c.base, None
-            c.feats.extend(h.detach().to(self.dtype).unbind(0))
+            c.feats.extend(rows[end:end + n])
+            end += n
 
     def free(self, request_id: str) -> None:
         self.cache.pop(request_id, None)

@@ -40,6 +40,7 @@ class MedusaHeads(nn.ModuleList):
             heads.append(nn.Sequential(*blocks))
         super().__init__(heads)
         self.num_heads, self.num_layers, self.hidden_size, self.vocab = num_heads, num_layers, hidden, vocab
+        self.fused: torch.Tensor | None = None  # [K, V, hidden]: the own LM heads, see fuse_lm_heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden] -> [K, N, hidden]: each head's residual blocks (before any LM head)."""
@@ -51,10 +52,20 @@ class MedusaHeads(nn.ModuleList):
             out.append(f)
         return torch.stack(out)
 
+    def fuse_lm_heads(self) -> None:
+        """Each head's own LM head weight becomes a view of one [K, V, hidden] tensor, so that
+        `logits` takes one batched product for all heads (inference; not with int8 heads)."""
+        w = torch.stack([head[self.num_layers].weight.detach() for head in self])
+        for head, wk in zip(self, w):
+            head[self.num_layers].weight = nn.Parameter(wk, requires_grad=False)
+        self.fused = w
+
     def logits(self, x: torch.Tensor, lm_head) -> torch.Tensor:
         """x: [N, hidden] -> [K, N, V'] with each head's own LM head, else `lm_head` ([rows,
         hidden] -> [rows, V'], the target's, maybe restricted; one product for all heads)."""
         feats = self(x)
+        if self.fused is not None:
+            return torch.bmm(feats, self.fused.transpose(1, 2))
         if self.vocab:
             return torch.stack([head[self.num_layers](f) for head, f in zip(self, feats)])
         return lm_head(feats.reshape(-1, feats.shape[-1])).view(*feats.shape[:2], -1)
@@ -106,14 +117,18 @@ class MedusaProposer:
         heads, d2t = load_medusa(heads_dir, target_model.arch)
         self.heads = heads.to(self.device, self.dtype)
         self.lm_head, self.d2t = draft_lm_head(self.heads, w, d2t, quantize)  # spec_decode.quant
+        if heads.vocab and not quantize:
+            self.heads.fuse_lm_heads()
         self.paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
 
-    def observe(self, request_ids: list[str], starts: list[int], hidden: list[torch.Tensor]) -> None:
-        for rid, start, h in zip(request_ids, starts, hidden):
-            if h.shape[0]:
-                self.last[rid] = (start + h.shape[0] - 1, h[-1].detach())
+    def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
+        end = 0
+        for rid, start, n in zip(request_ids, starts, sizes):
+            end += n
+            if n:
+                self.last[rid] = (start + n - 1, hidden[end - 1])
 
     def free(self, request_id: str) -> None:
         self.last.pop(request_id, None)

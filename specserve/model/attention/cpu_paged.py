@@ -66,8 +66,7 @@ class CPUPagedAttention(TorchAttention):
 def _build_paged(step: StepIndex, device: torch.device) -> CPUPagedMetadata:
     prefix = step.prefix
     req = step.req_of_token
-    offset = np.arange(len(req)) - step.qsl[req]  # index of each token among its request's
-    dense = prefix[req] + offset + 1  # causal: up to its own position
+    dense = step.positions + 1  # causal: up to its own position
     counts = np.zeros(len(req), dtype=np.int64)
     extra: list[int] = []  # in token order: requests in order, each tree's nodes in order
     for b, parents in enumerate(step.tree_parents or []):
@@ -78,10 +77,10 @@ def _build_paged(step: StepIndex, device: torch.device) -> CPUPagedMetadata:
             dense[first + i], counts[first + i] = p0, len(path)
             extra += [p0 + a for a in path]
     ptr = np.zeros(len(req) + 1, dtype=np.int64)
-    np.cumsum(counts, out=ptr[1:])
+    if extra:
+        np.cumsum(counts, out=ptr[1:])
     return CPUPagedMetadata(**AttentionMetadata.common(step, device),
-                            table=to_device(np.ascontiguousarray(step.table), device),
-                            query_start=to_device(step.qsl, device), dense=to_device(dense, device),
-                            extra_ptr=to_device(ptr, device),
-                            extra_pos=to_device(np.asarray(extra, dtype=np.int64), device),
-                            max_keys=int((dense + counts).max()) if len(req) else 0)
+                            table=to_device(step.table, device), query_start=to_device(step.qsl, device),
+                            dense=to_device(dense, device), extra_ptr=to_device(ptr, device),
+                            extra_pos=to_device(np.array(extra, dtype=np.int64), device),
+                            max_keys=int((dense + counts).max()) if extra else int(step.seq.max()))

@@ -32,27 +32,32 @@ class StepIndex:
     table: np.ndarray  # [B, max_blocks] block tables, zero-padded
     req_of_token: np.ndarray  # [T] request of each new token
     slots: np.ndarray  # [T] cache slot of each new token
+    positions: np.ndarray  # [T] position of each new token in its request
     block_size: int
     tree_parents: list[list[int] | None] | None  # [B]; None when no request has a tree
 
     @staticmethod
     def build(seq_lens: Sequence[int], query_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
               block_size: int, tree_parents: TreeParents | None = None) -> "StepIndex":
-        seq = np.asarray(seq_lens, dtype=np.int64)
-        qlen = np.asarray(query_lens, dtype=np.int64)
-        num_reqs = len(seq_lens)
+        seq = np.array(seq_lens, dtype=np.int64)
+        qlen = np.array(query_lens, dtype=np.int64)
+        num_reqs = len(seq)
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(qlen, out=qsl[1:])
-        table = np.zeros((num_reqs, max(len(t) for t in block_tables)), dtype=np.int64)
-        for i, t in enumerate(block_tables):
-            table[i, :len(t)] = t
+        width = max(map(len, block_tables))
+        if all(len(t) == width for t in block_tables):
+            table = np.array(block_tables, dtype=np.int64).reshape(num_reqs, width)
+        else:
+            table = np.zeros((num_reqs, width), dtype=np.int64)
+            for i, t in enumerate(block_tables):
+                table[i, :len(t)] = t
         # position p of request b lives in slot table[b, p // bs] * bs + p % bs
-        req_of_token = np.repeat(np.arange(num_reqs), qlen)
-        pos = np.arange(int(qsl[-1])) - qsl[req_of_token] + (seq - qlen)[req_of_token]
+        req_of_token = np.repeat(np.arange(num_reqs), qlen) if num_reqs > 1 else np.zeros(int(qsl[-1]), np.int64)
+        pos = np.arange(int(qsl[-1])) + (seq - qlen - qsl[:-1])[req_of_token]
         slots = table[req_of_token, pos // block_size] * block_size + pos % block_size
         has_tree = tree_parents is not None and any(p is not None for p in tree_parents)
         trees = [None if p is None else list(p) for p in tree_parents] if has_tree else None
-        return StepIndex(seq, qlen, qsl, table, req_of_token, slots, block_size, trees)
+        return StepIndex(seq, qlen, qsl, table, req_of_token, slots, pos, block_size, trees)
 
     @property
     def prefix(self) -> np.ndarray:
@@ -75,23 +80,16 @@ def to_device(a: np.ndarray, device: torch.device, dtype: torch.dtype = torch.in
 
 @dataclass
 class AttentionMetadata:
-    """The fields every backend needs (the paged layout of the step)."""
+    """The fields every backend needs (a backend's own layout extends them)."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-    query_start_loc: torch.Tensor  # [B+1] int32: offsets of each request's tokens in the batch
-    seq_lens: torch.Tensor  # [B] int32: context length including the new tokens
-    block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int
     max_seq_len: int
 
     @staticmethod
     def common(step: StepIndex, device: torch.device) -> dict:
         """The common fields of `step` on `device`, as keyword arguments for any subclass."""
-        return dict(slot_mapping=to_device(step.slots, device),
-                    query_start_loc=to_device(step.qsl, device, torch.int32),
-                    seq_lens=to_device(step.seq, device, torch.int32),
-                    block_tables=to_device(step.table, device, torch.int32),
-                    max_query_len=int(step.qlen.max()),
+        return dict(slot_mapping=to_device(step.slots, device), max_query_len=int(step.qlen.max()),
                     max_seq_len=int(step.seq.max()))
 
 

@@ -20,8 +20,12 @@ from .metadata import AttentionMetadata, StepIndex, TreeParents, to_device
 
 @dataclass
 class PagedMetadata(AttentionMetadata):
-    """TritonAttention's metadata: the common paged fields, and the packed mask of a tree step."""
+    """TritonAttention's metadata: the paged layout as the kernels read it (int32), and the
+    packed mask of a tree step."""
 
+    query_start_loc: torch.Tensor | None = None  # [B+1] int32: offsets of each request's tokens
+    seq_lens: torch.Tensor | None = None  # [B] int32: context length including the new tokens
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     tree_mask: torch.Tensor | None = None  # [T, W] int32 packed bits (tree_mask.py); None: causal
 
 
@@ -33,7 +37,10 @@ class TritonAttention:
                        tree_parents: TreeParents | None = None) -> PagedMetadata:
         """Host-side construction with numpy; one transfer per tensor."""
         step = StepIndex.build(seq_lens, query_lens, block_tables, block_size, tree_parents)
-        meta = PagedMetadata(**AttentionMetadata.common(step, device))
+        meta = PagedMetadata(**AttentionMetadata.common(step, device),
+                             query_start_loc=to_device(step.qsl, device, torch.int32),
+                             seq_lens=to_device(step.seq, device, torch.int32),
+                             block_tables=to_device(step.table, device, torch.int32))
         if step.tree_parents is not None:
             packed = tree_mask.packed_step_mask(step.tree_parents, step.qlen.tolist())
             meta.tree_mask = to_device(packed, device, torch.int32)
