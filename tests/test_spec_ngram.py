@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specserve import SamplingParams
-from specserve.spec_decode.ngram import ngram_lookup
+from specserve.spec_decode.ngram import NgramIndex, ngram_lookup
 from tests.spec_helpers import (HIT_PROMPTS, MAX_TOKENS, MISS_PROMPTS, check_prefix_cache,
                                 greedy_baseline, set_num_drafts, token_ids)
 
@@ -21,14 +21,41 @@ def ngram_llm(make_llm):
 
 
 def test_lookup_most_recent_longest_match():
-    ctx = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    ctx = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert ngram_lookup(ctx, 1, 3, 2) == [7, 8]  # "2 3" last seen before "7 8"
-    assert ngram_lookup(np.array([4, 5, 6]), 1, 3, 2) == []
+    assert ngram_lookup([4, 5, 6], 1, 3, 2) == []
     # a period-2 loop keeps going past the end of the context
-    assert ngram_lookup(np.array([1, 2, 1, 2, 1, 2]), 2, 2, 5) == [1, 2, 1, 2, 1]
+    assert ngram_lookup([1, 2, 1, 2, 1, 2], 2, 2, 5) == [1, 2, 1, 2, 1]
     # prompt_lookup_min bounds the match length
-    assert ngram_lookup(np.array([7, 1, 5, 1]), 2, 3, 2) == []
-    assert ngram_lookup(np.array([7, 1, 5, 1]), 1, 3, 2) == [5, 1]
+    assert ngram_lookup([7, 1, 5, 1], 2, 3, 2) == []
+    assert ngram_lookup([7, 1, 5, 1], 1, 3, 2) == [5, 1]
+
+
+def _scan(ctx: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The lookup by its definition: scan the context for the suffix, longest first."""
+    a, length = np.array(ctx), len(ctx)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        found = [i for i in range(length - n) if (a[i:i + n] == a[length - n:]).all()]
+        if found:
+            out: list[int] = []
+            for j in range(k):
+                p = found[-1] + n + j
+                out.append(ctx[p] if p < length else out[p - length])
+            return out
+    return []
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3), (3, 3)])
+def test_index_grown_step_by_step_equals_a_scan(min_n, max_n):
+    rng = np.random.default_rng(min_n * 10 + max_n)
+    index, tokens = NgramIndex(min_n, max_n), []
+    for step in range(120):
+        tokens += rng.integers(0, 4, size=int(rng.integers(1, 4))).tolist()  # a few committed tokens a step
+        index.sync(tokens)
+        k = int(rng.integers(1, 7))
+        assert index.lookup(tokens, k) == _scan(tokens, min_n, max_n, k), (step, tokens)
+    index.sync(tokens[:10])  # shorter than indexed: rebuilt
+    assert index.lookup(tokens[:10], 3) == _scan(tokens[:10], min_n, max_n, 3)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

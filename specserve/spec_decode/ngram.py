@@ -4,53 +4,58 @@ For each request, the longest suffix of its committed tokens (prompt_lookup_max 
 prompt_lookup_min tokens) is looked up in the earlier prompt + output; the k tokens after its
 most recent occurrence become a one-hot chain (continuing over the copy itself when the match
 is recent, so a period-p loop still yields k tokens). Method "ngram" drafts with this alone;
-the tree methods graft its chain onto every tree. Each request keeps a growing numpy copy of
-its tokens; a lookup is a few vectorised comparisons (tens of microseconds at 4k tokens).
+the tree methods graft its chain onto every tree.
+
+Each request keeps an index of its own n-grams (`NgramIndex`): every n-gram of the context
+that is followed by a token, mapped to the position of that token, the latest occurrence
+winning. Committed tokens only grow, so the index grows with them, a few dictionary entries
+per new token, and a lookup is at most prompt_lookup_max dictionary reads whatever the
+context's length (a scan of the context took tens of microseconds at 4k tokens, per request
+and step).
 """
 
 from __future__ import annotations
 
-import numpy as np
 
+class NgramIndex:
+    """The n-grams (min_n <= n <= max_n) of one request's committed tokens."""
 
-class _TokenBuffer:
-    """Committed tokens of one request as a numpy array with amortised appends."""
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.next_of: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token after it
+        self.size = 0  # tokens indexed
 
-    def __init__(self) -> None:
-        self.data = np.zeros(256, dtype=np.int64)
-        self.size = 0
-
-    def sync(self, tokens: list[int]) -> np.ndarray:
-        n = len(tokens)
-        if n < self.size:  # never happens for committed tokens; rebuild to stay safe
+    def sync(self, tokens: list[int]) -> None:
+        """Index the tokens appended since the last call (committed tokens only grow)."""
+        if len(tokens) < self.size:  # never happens for committed tokens; rebuild to stay safe
+            self.next_of.clear()
             self.size = 0
-        if n > self.data.size:
-            grown = np.zeros(max(n, 2 * self.data.size), dtype=np.int64)
-            grown[:self.size] = self.data[:self.size]
-            self.data = grown
-        if n > self.size:
-            self.data[self.size:n] = tokens[self.size:n]
-            self.size = n
-        return self.data[:n]
+        next_of, lo, hi = self.next_of, self.min_n, self.max_n
+        for p in range(max(1, self.size), len(tokens)):  # n-grams ending at p - 1, followed by token p
+            for n in range(lo, min(hi, p) + 1):
+                next_of[tuple(tokens[p - n:p])] = p
+        self.size = len(tokens)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """k tokens after the most recent earlier occurrence of the longest matching suffix of
+        tokens (which `sync` has indexed); [] when no suffix recurs."""
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = self.next_of.get(tuple(tokens[length - n:]))
+            if start is not None:
+                out: list[int] = []
+                for j in range(k):  # past the end, continue over the copy itself
+                    p = start + j
+                    out.append(tokens[p] if p < length else out[p - length])
+                return out
+        return []
 
 
-def ngram_lookup(ctx: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """Draft k tokens by prompt lookup in ctx (int array); [] when no suffix recurs."""
-    length = len(ctx)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # candidate starts i in [0, length - n): window ctx[i:i+n] vs the suffix ctx[-n:]
-        hits = ctx[:length - n] == ctx[length - n]
-        for j in range(1, n):
-            hits &= ctx[j:length - n + j] == ctx[length - n + j]
-        found = np.flatnonzero(hits)
-        if found.size:
-            start = int(found[-1]) + n  # first token after the most recent match
-            out: list[int] = []
-            for j in range(k):  # past the end, continue over the copy itself
-                p = start + j
-                out.append(int(ctx[p]) if p < length else out[p - length])
-            return out
-    return []
+def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """One lookup without a kept index (tests, tools)."""
+    index = NgramIndex(min_n, max_n)
+    index.sync(tokens)
+    return index.lookup(tokens, k)
 
 
 class NgramProposer:
@@ -58,17 +63,18 @@ class NgramProposer:
 
     def __init__(self, k: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.k, self.min_n, self.max_n = k, prompt_lookup_min, prompt_lookup_max
-        self._buffers: dict[str, _TokenBuffer] = {}
+        self._index: dict[str, NgramIndex] = {}
 
     def lookup(self, request_ids: list[str], token_ids: list[list[int]], ks: list[int]) -> list[list[int]]:
         """One chain (maybe empty) per request, of at most ks[i] tokens."""
         out = []
         for rid, tokens, k in zip(request_ids, token_ids, ks):
-            buf = self._buffers.get(rid)
-            if buf is None:
-                buf = self._buffers[rid] = _TokenBuffer()
-            out.append(ngram_lookup(buf.sync(tokens), self.min_n, self.max_n, k) if k > 0 else [])
+            index = self._index.get(rid)
+            if index is None:
+                index = self._index[rid] = NgramIndex(self.min_n, self.max_n)
+            index.sync(tokens)
+            out.append(index.lookup(tokens, k) if k > 0 else [])
         return out
 
     def free(self, request_id: str) -> None:
-        self._buffers.pop(request_id, None)
+        self._index.pop(request_id, None)
