@@ -206,27 +206,31 @@ class Engine:
         return outputs
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
-        """Commit sampled tokens one by one; a stop condition cuts the run right there."""
+        """Commit the step's tokens; the first stop condition cuts them right there (a stop
+        string, then an EOS or stop token, then the length limits, as if one by one)."""
         if req.first_token_time is None:
             req.first_token_time = time.time()
             self._stats.prompt_tokens_total += req.num_prompt_tokens
             self._stats.prefix_cache_hit_tokens += req.num_cached_tokens
-        detok = self._detok[req.request_id]
-        for i, tok in enumerate(tokens):
-            req.all_token_ids.append(tok)
-            self._stats.generation_tokens_total += 1
-            if req.logprobs is not None and logprobs is not None:
-                req.logprobs.append(logprobs[i])
-            stop_str = detok.append(tok)
-            if stop_str is not None:
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            elif tok in req.eos_token_ids or tok in req.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = tok if tok in req.stop_token_ids else None
-            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-                req.status = RequestStatus.FINISHED_LENGTH
-            if req.finished:
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        n = min(len(tokens), max(1, room))
+        for i in range(n):  # the first EOS or stop token ends the request
+            if tokens[i] in req.eos_token_ids or tokens[i] in req.stop_token_ids:
+                n = i + 1
                 break
+        n, stop_str = self._detok[req.request_id].extend(tokens[:n])
+        last = tokens[n - 1]
+        req.all_token_ids += tokens[:n]
+        self._stats.generation_tokens_total += n
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs += logprobs[:n]
+        if stop_str is not None:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        elif last in req.eos_token_ids or last in req.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = last if last in req.stop_token_ids else None
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
 
     def _finish(self, req: Request) -> None:
         req.finished_time = time.time()

@@ -26,3 +26,40 @@ def test_backend_decoder_streams_the_wrappers_text(default_model_dir):
     slow._backend_decode = None  # the transformers wrapper
     assert _stream(fast, ids) == _stream(slow, ids)
     assert fast.text == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_extend_gives_append_one_by_one(default_model_dir):
+    """A step's tokens decoded together: the same text at every step boundary, the same stop
+    (at the same token) as appending them one by one."""
+    import random
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    prompt = tokenizer.encode("Say it:")
+    text = " Grüße, 世界! 🙂 <|im_end|> ok\n\tdone  STOP here 🙂🙂 and then some more words"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rng = random.Random(0)
+    for stop in ([], ["STOP"], ["界!", "\tdo"], ["not there"]):
+        for _ in range(5):
+            one, many = IncrementalDetokenizer(tokenizer, prompt, stop), IncrementalDetokenizer(tokenizer, prompt, stop)
+            at = 0
+            while at < len(ids):
+                chunk = ids[at:at + rng.randint(1, 5)]
+                taken, found = many.extend(chunk)
+                expect = None
+                for i, tok in enumerate(chunk):
+                    expect = one.append(tok)
+                    if expect is not None:
+                        assert (taken, found) == (i + 1, expect)
+                        break
+                else:
+                    assert (taken, found) == (len(chunk), None)
+                assert many.text == one.text and many.visible_text(False) == one.visible_text(False)
+                if found is not None:
+                    assert many.visible_text(True) == one.visible_text(True)
+                    break
+                at += len(chunk)
+            else:
+                many.flush()
+                one.flush()
+                assert many.visible_text(True) == one.visible_text(True) == tokenizer.decode(
+                    ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
