@@ -13,7 +13,7 @@ Scope and invariants
   is), so copying in increasing ``i`` never overwrites a source that is still
   to be read.  The Triton kernel therefore walks ``i`` sequentially inside a
   program and parallelises over (layer, head), which never alias.  The result
-  equals ``cache[dst] = cache[src].clone()``.  Pairs with a negative entry are skipped.
+  equals ``cache[dst] = cache[src].clone()``.  Every entry is a valid slot (>= 0).
 """
 import torch
 
@@ -77,16 +77,15 @@ def _compact_kv_kernel(
         # Step 1: two int64 loads (src, dst slot).
         src = tl.load(src_ptr + i)
         dst = tl.load(dst_ptr + i)
-        if (src >= 0) & (dst >= 0):
-            # Step 2: read D elements of K and of V at src, write them at dst.
-            s_blk = src // BLOCK_SIZE
-            s_off = src % BLOCK_SIZE
-            d_blk = dst // BLOCK_SIZE
-            d_off = dst % BLOCK_SIZE
-            k = tl.load(k_base + s_blk * stride_kb + s_off * stride_ks, mask=dm)
-            v = tl.load(v_base + s_blk * stride_vb + s_off * stride_vs, mask=dm)
-            tl.store(k_base + d_blk * stride_kb + d_off * stride_ks, k, mask=dm)
-            tl.store(v_base + d_blk * stride_vb + d_off * stride_vs, v, mask=dm)
+        # Step 2: read D elements of K and of V at src, write them at dst.
+        s_blk = src // BLOCK_SIZE
+        s_off = src % BLOCK_SIZE
+        d_blk = dst // BLOCK_SIZE
+        d_off = dst % BLOCK_SIZE
+        k = tl.load(k_base + s_blk * stride_kb + s_off * stride_ks, mask=dm)
+        v = tl.load(v_base + s_blk * stride_vb + s_off * stride_vs, mask=dm)
+        tl.store(k_base + d_blk * stride_kb + d_off * stride_ks, k, mask=dm)
+        tl.store(v_base + d_blk * stride_vb + d_off * stride_vs, v, mask=dm)
         tl.debug_barrier()
 
 
@@ -138,10 +137,7 @@ def compact_kv_triton(k_cache, v_cache, src_slots, dst_slots) -> None:
 def compact_kv_ref(k_cache, v_cache, src_slots, dst_slots) -> None:
     # Same signature as compact_kv_triton; in place: cache[dst] = cache[src].clone().
     kc, vc = _as_layered(k_cache), _as_layered(v_cache)
-    src = src_slots.to(device=kc.device, dtype=torch.long)
-    dst = dst_slots.to(device=kc.device, dtype=torch.long)
-    keep = (src >= 0) & (dst >= 0)
-    src, dst = src[keep], dst[keep]
+    src, dst = src_slots.to(kc.device), dst_slots.to(kc.device)
     for cache in (kc, vc):
         slots = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [L, num_blocks * block_size, H, D]
         slots.index_copy_(1, dst, slots.index_select(1, src))  # gathered first: overlaps are safe

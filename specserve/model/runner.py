@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import CacheConfig, ModelConfig
+from specserve.host import int_tensor
 from specserve.model.arch import ModelArch
 from specserve.model import tree_mask
 from specserve.model.attention import get_attention_backend
@@ -133,11 +134,11 @@ class ModelRunner:
         meta = self.backend.build_metadata(seq_lens, list(sched.num_tokens),
                                            [r.block_ids for r in sched.requests], self.block_size,
                                            self.device, tree_parents)
-        ids_pos = torch.tensor([ids, positions], dtype=torch.int64, device=self.device)
+        ids_pos = int_tensor([ids, positions], self.device)
         every = self.model(ids_pos[0], ids_pos[1], self.kv_caches, meta, self.backend)
         for hook in self.hidden_hooks:
             hook(sched, every)
-        hidden = every if len(row_index) == len(ids) else every.index_select(0, ids_pos.new_tensor(row_index))
+        hidden = every if len(row_index) == len(ids) else every.index_select(0, int_tensor(row_index, self.device))
         return StepLogits(self.model.compute_logits(hidden), hidden, row_start, num_rows, every)
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
@@ -145,7 +146,7 @@ class ModelRunner:
         moving next to their roots): one call for all layers."""
         from specserve.kernels import compact_kv
 
-        slots = torch.tensor([src, dst], dtype=torch.int64, device=self.device)
+        slots = int_tensor([src, dst], self.device)
         compact_kv(self.k_cache, self.v_cache, slots[0], slots[1])
 
 

@@ -44,13 +44,13 @@ class CPUPagedAttention(TorchAttention):
                        block_size: int, device: torch.device,
                        tree_parents: TreeParents | None = None) -> CPUPagedMetadata:
         step = StepIndex.build(seq_lens, query_lens, block_tables, block_size, tree_parents)
-        short = step.qlen <= KERNEL_MAX_QUERY
-        if short.all():
+        if step.max_query <= KERNEL_MAX_QUERY:
             return _build_paged(step, device)
+        short = step.qlen <= KERNEL_MAX_QUERY
         long = np.flatnonzero(~short)  # the kernel's rows in one part, the rest by query length
         groups = [[int(long[i]) for i in g] for g in split_by_query_len(step.qlen[long]) or [range(len(long))]]
         return build_in_parts(CPUPagedMetadata, step, device,
-                              lambda s: _build_paged(s, device) if s.qlen.max() <= KERNEL_MAX_QUERY
+                              lambda s: _build_paged(s, device) if s.max_query <= KERNEL_MAX_QUERY
                               else _build_dense(s, device, CPUPagedMetadata),
                               ([np.flatnonzero(short).tolist()] if short.any() else []) + groups)
 
@@ -64,23 +64,23 @@ class CPUPagedAttention(TorchAttention):
 
 
 def _build_paged(step: StepIndex, device: torch.device) -> CPUPagedMetadata:
-    prefix = step.prefix
-    req = step.req_of_token
+    num_tokens = len(step.slots)
     dense = step.positions + 1  # causal: up to its own position
-    counts = np.zeros(len(req), dtype=np.int64)
+    ptr = np.zeros(num_tokens + 1, dtype=np.int64)
     extra: list[int] = []  # in token order: requests in order, each tree's nodes in order
-    for b, parents in enumerate(step.tree_parents or []):
-        if parents is None:
-            continue
-        p0, first = int(prefix[b]), int(step.qsl[b])
-        for i, path in enumerate(tree_mask.root_paths(parents)):
-            dense[first + i], counts[first + i] = p0, len(path)
-            extra += [p0 + a for a in path]
-    ptr = np.zeros(len(req) + 1, dtype=np.int64)
-    if extra:
-        np.cumsum(counts, out=ptr[1:])
+    max_keys = step.max_seq
+    if step.tree_parents is not None:
+        prefix, counts = step.prefix, np.zeros(num_tokens, dtype=np.int64)
+        for b, parents in enumerate(step.tree_parents):
+            if parents is None:
+                continue
+            p0, first = int(prefix[b]), int(step.qsl[b])
+            for i, path in enumerate(tree_mask.root_paths(parents)):
+                dense[first + i], counts[first + i] = p0, len(path)
+                extra += [p0 + a for a in path]
+        ptr[1:] = counts.cumsum()
+        max_keys = int((dense + counts).max())
     return CPUPagedMetadata(**AttentionMetadata.common(step, device),
                             table=to_device(step.table, device), query_start=to_device(step.qsl, device),
                             dense=to_device(dense, device), extra_ptr=to_device(ptr, device),
-                            extra_pos=to_device(np.array(extra, dtype=np.int64), device),
-                            max_keys=int((dense + counts).max()) if extra else int(step.seq.max()))
+                            extra_pos=to_device(np.array(extra, dtype=np.int64), device), max_keys=max_keys)

@@ -52,7 +52,7 @@ def build_in_parts(cls: type[M], step: StepIndex, device: torch.device,
 def gather_layout(step: StepIndex, device: torch.device, length: int) -> tuple[dict, np.ndarray]:
     """gather_slots ([B, length]) and query_dest of the padded [B*Q] layout as keyword
     arguments, and the context range [length]."""
-    max_q = int(step.qlen.max())
+    max_q = step.max_query
     ctx = np.arange(length)
     blocks = step.table.shape[1]
     bs = step.block_size

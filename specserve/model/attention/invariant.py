@@ -163,7 +163,7 @@ class InvariantAttention:
 
 def _build_logical(step: StepIndex, device: torch.device) -> LogicalMetadata:
     # keys padded to whole chunks here, so the backend never copies K/V to pad them
-    max_l = -(-int(step.seq.max()) // KEY_CHUNK) * KEY_CHUNK
+    max_l = -(-step.max_seq // KEY_CHUNK) * KEY_CHUNK
     layout, ctx = gather_layout(step, device, max_l)
     meta = LogicalMetadata(**AttentionMetadata.common(step, device), **layout)
     num_reqs, max_q = len(step.seq), meta.max_query_len

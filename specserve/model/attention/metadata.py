@@ -22,9 +22,9 @@ import torch
 TreeParents = Sequence[Sequence[int] | None]  # [B]: each request's parents (tree_mask.py) or None
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepIndex:
-    """The step's shape on the host, computed once with numpy (int64 throughout)."""
+    """The step's shape on the host, computed once with numpy (int64 throughout); read only."""
 
     seq: np.ndarray  # [B] context length of each request, new tokens included
     qlen: np.ndarray  # [B] new tokens of each request
@@ -35,15 +35,23 @@ class StepIndex:
     positions: np.ndarray  # [T] position of each new token in its request
     block_size: int
     tree_parents: list[list[int] | None] | None  # [B]; None when no request has a tree
+    max_query: int  # the longest query (new tokens of a request)
+    max_seq: int  # the longest context
 
     @staticmethod
     def build(seq_lens: Sequence[int], query_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
               block_size: int, tree_parents: TreeParents | None = None) -> "StepIndex":
         seq = np.array(seq_lens, dtype=np.int64)
-        qlen = np.array(query_lens, dtype=np.int64)
-        num_reqs = len(seq)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(qlen, out=qsl[1:])
+        num_reqs, max_query = len(seq), max(query_lens)
+        if max_query == 1:  # a decode step: one new token each
+            qlen, qsl = np.ones(num_reqs, dtype=np.int64), np.arange(num_reqs + 1)
+            req_of_token, pos = qsl[:-1], seq - 1
+        else:
+            qlen = np.array(query_lens, dtype=np.int64)
+            qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+            qsl[1:] = qlen.cumsum()
+            req_of_token = np.repeat(np.arange(num_reqs), qlen)
+            pos = np.arange(int(qsl[-1])) + (seq - qlen - qsl[:-1])[req_of_token]
         width = max(map(len, block_tables))
         if all(len(t) == width for t in block_tables):
             table = np.array(block_tables, dtype=np.int64).reshape(num_reqs, width)
@@ -52,12 +60,12 @@ class StepIndex:
             for i, t in enumerate(block_tables):
                 table[i, :len(t)] = t
         # position p of request b lives in slot table[b, p // bs] * bs + p % bs
-        req_of_token = np.repeat(np.arange(num_reqs), qlen) if num_reqs > 1 else np.zeros(int(qsl[-1]), np.int64)
-        pos = np.arange(int(qsl[-1])) + (seq - qlen - qsl[:-1])[req_of_token]
-        slots = table[req_of_token, pos // block_size] * block_size + pos % block_size
+        block, offset = np.divmod(pos, block_size)
+        slots = table[req_of_token, block] * block_size + offset
         has_tree = tree_parents is not None and any(p is not None for p in tree_parents)
         trees = [None if p is None else list(p) for p in tree_parents] if has_tree else None
-        return StepIndex(seq, qlen, qsl, table, req_of_token, slots, pos, block_size, trees)
+        return StepIndex(seq, qlen, qsl, table, req_of_token, slots, pos, block_size, trees, max_query,
+                         max(seq_lens))
 
     @property
     def prefix(self) -> np.ndarray:
@@ -89,8 +97,8 @@ class AttentionMetadata:
     @staticmethod
     def common(step: StepIndex, device: torch.device) -> dict:
         """The common fields of `step` on `device`, as keyword arguments for any subclass."""
-        return dict(slot_mapping=to_device(step.slots, device), max_query_len=int(step.qlen.max()),
-                    max_seq_len=int(step.seq.max()))
+        return dict(slot_mapping=to_device(step.slots, device), max_query_len=step.max_query,
+                    max_seq_len=step.max_seq)
 
 
 class AttentionBackend(Protocol):

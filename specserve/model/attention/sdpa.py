@@ -58,7 +58,7 @@ class TorchAttention:
 
 
 def _build_dense(step: StepIndex, device: torch.device, cls: type[DenseMetadata] = DenseMetadata) -> DenseMetadata:
-    max_q, max_l = int(step.qlen.max()), int(step.seq.max())
+    max_q, max_l = step.max_query, step.max_seq
     layout, ctx = gather_layout(step, device, max_l)
     meta = cls(**AttentionMetadata.common(step, device), **layout)
     seq, qlen, trees = step.seq, step.qlen, step.tree_parents
