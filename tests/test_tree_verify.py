@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 import specserve.sampling.rejection as rejection
 from specserve.sampling import FlatTrees, verify_trees
-from specserve.spec_decode.draft_tree import DraftTree
+from specserve.spec_decode.draft_tree import DraftTree, preorder
 
 V = 8
 
@@ -65,6 +65,26 @@ def verify(target, trees, greedy, seeds, coupled=False):
     row_seeds = [seeds[b] for b, t in enumerate(trees) for _ in range(1 + len(t)) if not greedy[b]]
     pairs = (torch.tensor(rows), torch.tensor(row_seeds)) if coupled and rows else None
     return verify_trees(target, torch.tensor(exact), torch.tensor(seeds), pos, flat, all(exact), pairs)
+
+
+def test_preorder_lists_the_first_choice_path_first():
+    # value order (as the policy keeps nodes): 0 and 1 children of the root, 2 under 0, 3 under 1, 4 under 2
+    parents = [-1, -1, 0, 1, 2]
+    assert preorder(parents, [0, 1, 2, 3, 4]) == [0, 2, 4, 1, 3]
+    assert preorder(parents, [1, 0, 3, 2]) == [1, 3, 0, 2]  # siblings keep their order in the list
+    assert preorder([-1, 0, 1], [0, 1, 2]) == [0, 1, 2]  # a chain as it was
+    rng = random.Random(3)
+    for _ in range(50):
+        tree = random_tree(rng, rng.randrange(1, 12), V)
+        order = preorder(tree.parents, list(range(len(tree))))
+        assert sorted(order) == list(range(len(tree)))
+        assert all(tree.parents[i] < 0 or order.index(tree.parents[i]) < order.index(i) for i in order)
+        first = [order[0]]  # depth first: the leading run of parent -> child ends at a leaf
+        for i in order[1:]:
+            if tree.parents[i] != first[-1]:
+                break
+            first.append(i)
+        assert tree.parents[first[0]] == -1 and first[-1] not in tree.parents
 
 
 def test_greedy_matches_brute_force_for_a_whole_batch():

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.host import int_tensor
 from specserve.sampling.sampler import (SamplingBatch, TokenCounts, apply_penalties, exponential_noise,
                                         processed_probs, row_counts, uniform_at)
 
@@ -86,7 +87,7 @@ class FlatTrees:
                     rank.append(r)
                 token += toks
                 req += [b] * len(toks)
-            cols = torch.tensor([token, parent_row, rank, req], dtype=torch.int64).to(self.device)
+            cols = int_tensor([token, parent_row, rank, req], self.device)
             probs = has_probs = None
             if any(p is not None for _, _, p in self.trees):
                 start = self.node_start
@@ -134,15 +135,15 @@ def verify_targets(logits: torch.Tensor, requests, trees: list[tuple[list[int], 
                 row_counts_of.append(own)
                 extra.append(anc)
     exact_l = [r.params.greedy or r.params.seed is not None for r in requests]
-    tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-    coupled_rows = (tensor(coupled), tensor([seeds[i] for i in coupled])) if coupled else None
+    coupled_rows = (int_tensor(coupled, device), int_tensor([seeds[i] for i in coupled], device)) if coupled else None
     batch = SamplingBatch.build(params, seeds, positions, vocab_size, device,
                                 row_counts(row_counts_of, extra) if counts is not None else None)
     target = apply_penalties(logits, batch)
     if not batch.all_greedy:
         target = torch.where(batch.greedy[:, None], target, processed_probs(logits, batch))
     return (target, torch.tensor(exact_l, dtype=torch.bool, device=device),
-            tensor([r.sampling_seed for r in requests]), tensor(positions), all(exact_l), coupled_rows)
+            int_tensor([r.sampling_seed for r in requests], device), int_tensor(positions, device), all(exact_l),
+            coupled_rows)
 
 
 def coupled_tokens(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -197,7 +198,7 @@ def verify_trees(target: torch.Tensor, exact: torch.Tensor | None, seeds: torch.
             node = next_node_l[row]
         accepted.append(path)
         leaves.append(row)
-    leaf = torch.tensor(leaves, dtype=torch.int64, device=target.device)
+    leaf = int_tensor(leaves, target.device)
     drawn = torch.where(exact, best[leaf], _draw_final(target, leaf, seeds, row_pos, trees))
     return TreeVerdict(accepted, drawn.tolist())
 

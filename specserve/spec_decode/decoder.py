@@ -20,12 +20,13 @@ import time
 
 import torch
 
+from specserve.host import int_tensor
 from specserve.metrics import SpecLog
 from specserve.model.runner import StepLogits
 from specserve.request import Request, TokenLogprob
 from specserve.sampling import FlatTrees, TokenCounts, gather_logprobs, verify_targets, verify_trees
 from specserve.scheduler.scheduler import SchedulerOutput
-from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, Proposer
+from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, Proposer, preorder
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.policy import PROBE_FIRST, PROBE_MAX, RequestState, SpecPolicy
 from specserve.structured import Grammars, constrain, cut
@@ -183,8 +184,7 @@ class SpecDecoder:
             ids += tokens
             top += [reqs[j].params.logprobs] * len(tokens)
         device = step.logits.device
-        lps = gather_logprobs(step.logits[torch.tensor(rows, device=device)],
-                              torch.tensor(ids, dtype=torch.int64, device=device), top)
+        lps = gather_logprobs(step.logits.index_select(0, int_tensor(rows, device)), int_tensor(ids, device), top)
         at = 0
         for j in want:
             tokens = results[live[j]][0]
@@ -207,7 +207,7 @@ class SpecDecoder:
             off += n
         hidden = step.all_hidden
         if len(index) < len(hidden):  # drafts not accepted, or rows of requests not shown
-            hidden = hidden.index_select(0, torch.tensor(index, device=hidden.device))
+            hidden = hidden.index_select(0, int_tensor(index, hidden.device))
         self.proposer.observe(ids, starts, sizes, hidden)
 
     # -- drafting --------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ class SpecDecoder:
         for j, tree, nodes in zip(where, cands, keep):
             req, room = eligible[j]
             state = states[j]
-            nodes = nodes[:room]  # parents first: a prefix is still a tree
+            nodes = preorder(tree.parents, nodes[:room])  # parents first: a prefix is still a tree
             if not nodes:
                 state.tree, state.chain_nodes = None, []
                 state.masks = state.masks[:1] if state.masks is not None else None  # the root's

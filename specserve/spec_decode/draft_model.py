@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specserve.config import CacheConfig, ModelConfig
+from specserve.host import int_tensor
 from specserve.model.arch import ModelArch
 from specserve.model.loader import resolve_model_dir
 from specserve.model.runner import ModelRunner
@@ -130,10 +131,10 @@ class DraftModelProposer:
         meta = runner.backend.build_metadata([s + len(f) for s, f in zip(starts, feeds)],
                                              [len(f) for f in feeds], block_ids,
                                              runner.block_size, runner.device)
-        ids_pos = torch.tensor([ids, positions], dtype=torch.int64, device=runner.device)
+        ids_pos = int_tensor([ids, positions], runner.device)
         hidden = runner.model(ids_pos[0], ids_pos[1], runner.kv_caches, meta, runner.backend)
         if len(last) < len(ids):  # a catch-up: each request's last row
-            hidden = hidden.index_select(0, ids_pos.new_tensor(last))
+            hidden = hidden.index_select(0, int_tensor(last, runner.device))
         return runner.model.compute_logits(hidden)
 
     def _sample(self, logits: torch.Tensor, batch: ProposeBatch, rows: list[int], done: list[int]):

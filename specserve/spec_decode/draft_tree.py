@@ -74,6 +74,24 @@ class DraftTree:
         return len(self.tokens)
 
 
+def preorder(parents: Sequence[int], nodes: Sequence[int]) -> list[int]:
+    """`nodes` (a tree: each one's parent among them, or -1) depth first, siblings in their
+    order in `nodes`. A verified tree's accepted path has to sit right after its root in the KV
+    cache; listing the first-choice path first means that when it is the one accepted (the
+    likeliest outcome) its KV is already in place and nothing moves."""
+    kids: dict[int, list[int]] = {}
+    for i in nodes:
+        kids.setdefault(parents[i], []).append(i)
+    if len(kids) == len(nodes):  # one child each: a chain, already in order
+        return list(nodes)
+    out, stack = [], kids.get(-1, [])[::-1]
+    while stack:
+        i = stack.pop()
+        out.append(i)
+        stack += kids.get(i, [])[::-1]
+    return out
+
+
 def path_of(tokens: Sequence[int], parents: Sequence[int], chain: Sequence[int]) -> list[int]:
     """Node indices of the longest prefix of `chain` that is a path from the root of the tree
     (tokens, parents)."""

@@ -17,7 +17,7 @@ Per request the proposer keeps a cache, never the truth: the target features it 
      parents first.
 Nodes scoring below `batch.min_score` (the cost model's: they cannot pay their row) are neither
 expanded nor returned. Linear layers, LM head and top-k run once per pass for the batch, with
-one host transfer per depth; attention reads each request's head K/V in place.
+one host synchronisation per depth; attention reads each request's head K/V in place.
 
 Nodes are the draft's deterministic top-k, so trees carry no probabilities (one-hot q) and
 verification stays exact under sampling. With `d2t` in the checkpoint the head scores only
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from specserve.config import DEFAULT_DRAFTS
+from specserve.host import int_tensor
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.eagle_head import HeadKV, Segment
 from specserve.spec_decode.quant import draft_lm_head
@@ -113,17 +114,15 @@ class EagleProposer:
     # -- drafting ---------------------------------------------------------------------------------
     def _top(self, out: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
         """out: [N, hidden] -> each row's top-k draft log-probabilities and target token ids,
-        as host lists (one transfer)."""
+        as host lists (the first copy waits for the pass, the second finds it done)."""
         top, ix = self._lm_head(out).float().log_softmax(-1).topk(self.topk, -1)
-        ids = self.d2t[ix] if self.d2t is not None else ix
-        both = torch.cat([top, ids.float()], 1).tolist()  # ids < 2^24: exact in float32
-        return [r[:self.topk] for r in both], [[int(t) for t in r[self.topk:]] for r in both]
+        return top.tolist(), (self.d2t[ix] if self.d2t is not None else ix).tolist()
 
     def _pass(self, feats, ids, positions, segments) -> torch.Tensor:
         """One head pass over the rows of several requests -> outputs [N, hidden]."""
-        ids_pos = torch.tensor([ids, positions], device=self.device)
+        ids_pos = int_tensor([ids, positions], self.device)
         out, _, _ = self.head(torch.stack(feats) if isinstance(feats, list) else feats,
-                              self.embed[ids_pos[0]], ids_pos[1], segments=segments)
+                              self.embed.index_select(0, ids_pos[0]), ids_pos[1], segments=segments)
         return out
 
     def _catch_up(self, caches: list[_HeadCache], token_ids: list[list[int]]) -> None:
@@ -206,7 +205,7 @@ class EagleProposer:
         """Each parent node (-1: the root) gets its top-k children; each request's next
         frontier is its k best new nodes worth expanding. outs: [sum of parents, hidden]."""
         k = self.topk
-        lp_l, tok_l = self._top(outs)  # [P][k]: one transfer per depth
+        lp_l, tok_l = self._top(outs)  # [P][k]: one synchronisation per depth
         at = 0
         for g, ps, scores in zip(grow, parents, parent_scores):
             new = []
