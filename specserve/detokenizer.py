@@ -54,13 +54,15 @@ class IncrementalDetokenizer:
         """Add several output tokens (a verified draft path and its bonus token) with two
         decodes instead of two per token. Returns (how many were taken, the stop string the
         last of them completed, if any): all of them unless one completes a stop string,
-        which ends the request there. The text is what `append` one by one gives; where the
-        batch would end inside a character or meets a stop string, it goes one by one."""
+        which ends the request there. The text is what `append` one by one gives (a window
+        always starts where a complete character ended, so a character split over tokens
+        decodes the same either way); where the batch ends inside a character or meets a stop
+        string, it goes one by one."""
         if len(token_ids) > 1:
             before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
             after = self._decode(self.tokens[self.prefix_offset:] + token_ids)
             new = after[len(before):]
-            if (len(after) > len(before) and not after.endswith("\ufffd") and "\ufffd" not in new
+            if (len(after) > len(before) and not after.endswith("\ufffd")
                     and not (self.stop and self._stop_in(self.text, new))):
                 self.tokens += token_ids
                 self.text += new

@@ -38,28 +38,41 @@ def test_extend_gives_append_one_by_one(default_model_dir):
     text = " Grüße, 世界! 🙂 <|im_end|> ok\n\tdone  STOP here 🙂🙂 and then some more words"
     ids = tokenizer.encode(text, add_special_tokens=False)
     rng = random.Random(0)
-    for stop in ([], ["STOP"], ["界!", "\tdo"], ["not there"]):
-        for _ in range(5):
-            one, many = IncrementalDetokenizer(tokenizer, prompt, stop), IncrementalDetokenizer(tokenizer, prompt, stop)
-            at = 0
-            while at < len(ids):
-                chunk = ids[at:at + rng.randint(1, 5)]
-                taken, found = many.extend(chunk)
-                expect = None
-                for i, tok in enumerate(chunk):
-                    expect = one.append(tok)
-                    if expect is not None:
-                        assert (taken, found) == (i + 1, expect)
+    byte_soup = [rng.randrange(0, 400) for _ in range(300)]  # raw byte tokens: split and invalid UTF-8
+    assert one_by_one_text(tokenizer, prompt, byte_soup) == tokenizer.decode(
+        byte_soup, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    for ids in (ids, byte_soup):
+        for stop in ([], ["STOP"], ["界!", "\tdo"], ["not there"]):
+            for _ in range(5):
+                one = IncrementalDetokenizer(tokenizer, prompt, stop)
+                many = IncrementalDetokenizer(tokenizer, prompt, stop)
+                at = 0
+                while at < len(ids):
+                    chunk = ids[at:at + rng.randint(1, 5)]
+                    taken, found = many.extend(chunk)
+                    expect = None
+                    for i, tok in enumerate(chunk):
+                        expect = one.append(tok)
+                        if expect is not None:
+                            assert (taken, found) == (i + 1, expect)
+                            break
+                    else:
+                        assert (taken, found) == (len(chunk), None)
+                    assert many.text == one.text and many.visible_text(False) == one.visible_text(False)
+                    if found is not None:
+                        assert many.visible_text(True) == one.visible_text(True)
                         break
+                    at += len(chunk)
                 else:
-                    assert (taken, found) == (len(chunk), None)
-                assert many.text == one.text and many.visible_text(False) == one.visible_text(False)
-                if found is not None:
-                    assert many.visible_text(True) == one.visible_text(True)
-                    break
-                at += len(chunk)
-            else:
-                many.flush()
-                one.flush()
-                assert many.visible_text(True) == one.visible_text(True) == tokenizer.decode(
-                    ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                    many.flush()
+                    one.flush()
+                    assert many.visible_text(True) == one.visible_text(True) == tokenizer.decode(
+                        ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def one_by_one_text(tokenizer, prompt, ids):
+    detok = IncrementalDetokenizer(tokenizer, prompt, [])
+    for tok in ids:
+        detok.append(tok)
+    detok.flush()
+    return detok.visible_text(True)
