@@ -343,13 +343,15 @@ def test_medusa_own_lm_heads_fused_into_one_product():
     from specserve.spec_decode.medusa import MedusaHeads
 
     heads = MedusaHeads(3, 1, 64, vocab=96)
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in heads.parameters():
-            p.copy_(torch.randn(p.shape))
-    x, state = torch.randn(5, 64), {k: v.clone() for k, v in heads.state_dict().items()}
+            p.copy_(torch.randn(p.shape, generator=g))
+    x, state = torch.randn(5, 64, generator=g), {k: v.clone() for k, v in heads.state_dict().items()}
     want = heads.logits(x, None)
     heads.fuse_lm_heads()
-    torch.testing.assert_close(heads.logits(x, None), want)
+    # the same products summed in another order (bmm against one linear per head): close, not equal
+    torch.testing.assert_close(heads.logits(x, None), want, rtol=1e-4, atol=1e-4)
     after = heads.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in after.items())
 
