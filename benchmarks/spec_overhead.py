@@ -8,12 +8,12 @@ target itself, or prompt lookup), verification, KV rollback and bookkeeping. Wit
 Every method drafts its maximum each step (`"adaptive": false`), on B requests at once, greedy.
 
     python benchmarks/spec_overhead.py [--batch 1 16 64] [--methods none ngram eagle medusa draft_model]
-        [--vocab 512] [--max-tokens 48] [--repeats 1] [--json OUT.json]
+        [--vocab 512] [--max-tokens 48] [--repeats 1] [--clock wall] [--json OUT.json]
 
 Reports, per method and batch size, milliseconds per decode step outside the target forward,
 divided by B (the per-request overhead); the part of it that is not the draft network's own
-forward (a head's or draft model's module call, timed by forward hooks: what is left is the
-machinery, mostly Python); and the target forward's own milliseconds per step.
+forward (a head's or draft model's module calls and its LM head products: what is left is
+the machinery, mostly Python); and the target forward's own milliseconds per step.
 Runs against whichever specserve is importable (PYTHONPATH=../other-checkout to compare).
 """
 
@@ -110,7 +110,7 @@ def measure(llm, batch: int, max_tokens: int, seed: int = 0, vocab: int = 512, r
 
     engine.runner.execute = timed_execute
     draft_s = [0.0]
-    hooks = _time_draft_network(engine, draft_s)
+    undo = _time_draft_network(engine, draft_s)
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rounds = []
@@ -138,31 +138,55 @@ def measure(llm, batch: int, max_tokens: int, seed: int = 0, vocab: int = 512, r
                            "machinery_ms_per_request": 1e3 * (overhead - totals["draft_s"]) / steps / batch,
                            "forward_ms": 1e3 * totals["forward_s"] / steps})
     engine.runner.execute = execute
-    for h in hooks:
-        h.remove()
+    for u in undo:
+        u()
     return min(rounds, key=lambda r: r["overhead_ms_per_request"])
 
 
 def _time_draft_network(engine, total: list[float]) -> list:
-    """Forward hooks adding the seconds of every call of the proposer's network (an EAGLE
-    head, Medusa heads, a draft model) to total[0]. Works on any checkout whose engine keeps
-    its proposer at engine.spec.proposer."""
-    proposer = getattr(engine.spec, "proposer", None)
-    modules = [getattr(proposer, "head", None), getattr(proposer, "heads", None),
-               getattr(getattr(proposer, "runner", None), "model", None)]
-    started: list[float] = []
-    hooks = []
+    """Adds to total[0] the seconds of the proposer's network: the module calls of an EAGLE
+    head, Medusa heads or a draft model (forward hooks) and their LM head products (the
+    proposer's `_lm_head` / `lm_head`, Medusa's `heads.logits`, the draft model's
+    `compute_logits`), nested calls counted once. Works on any checkout whose engine keeps its
+    proposer at engine.spec.proposer. Returns the callables that undo it."""
     from torch import nn
 
-    if modules[1] is not None and type(modules[1]).forward is nn.ModuleList.forward:
-        modules += [m for head in modules[1] for m in head]  # older Medusa: blocks called one by one
+    proposer = getattr(engine.spec, "proposer", None)
+    heads = getattr(proposer, "heads", None)
+    model = getattr(getattr(proposer, "runner", None), "model", None)
+    modules = [getattr(proposer, "head", None), heads, model]
+    if heads is not None and type(heads).forward is nn.ModuleList.forward:
+        modules += [m for head in heads for m in head]  # older Medusa: blocks called one by one
+    depth, started = [0], [0.0]
+
+    def enter(*_):
+        if depth[0] == 0:
+            started[0] = CLOCK()
+        depth[0] += 1
+
+    def leave(*_):
+        depth[0] -= 1
+        if depth[0] == 0:
+            total[0] += CLOCK() - started[0]
+
+    undo = []
     for m in modules:
-        if m is None:
-            continue
-        hooks.append(m.register_forward_pre_hook(lambda *_: started.append(CLOCK())))
-        hooks.append(m.register_forward_hook(
-            lambda *_: total.__setitem__(0, total[0] + CLOCK() - started.pop())))
-    return hooks
+        if m is not None:
+            undo += [m.register_forward_pre_hook(enter).remove, m.register_forward_hook(leave).remove]
+    for owner, name in ((proposer, "_lm_head"), (proposer, "lm_head"), (heads, "logits"), (model, "compute_logits")):
+        fn = getattr(owner, name, None) if owner is not None else None
+        if callable(fn):
+            def timed(*args, _fn=fn, **kwargs):
+                enter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    leave()
+            own = vars(owner)  # a method's wrapper shadows it as an instance attribute
+            undo.append(lambda own=own, name=name, had=name in own, was=own.get(name):
+                        own.__setitem__(name, was) if had else own.pop(name, None))
+            own[name] = timed
+    return undo
 
 
 def main() -> None:

@@ -304,9 +304,11 @@ class SpecDecoder:
                 state.tree, state.chain_nodes = None, []
                 state.masks = state.masks[:1] if state.masks is not None else None  # the root's
                 continue
-            index = {old: new for new, old in enumerate(nodes)}
-            state.chain_nodes = [index[n] for n in state.chain_nodes if n in index]
-            state.tree = tree.select(nodes)
+            if nodes != list(range(len(tree))):  # else the whole tree as it is
+                index = {old: new for new, old in enumerate(nodes)}
+                state.chain_nodes = [index[n] for n in state.chain_nodes if n in index]
+                tree = tree.select(nodes)
+            state.tree = tree
             if state.masks is not None:
                 state.masks = state.masks[[0] + [n + 1 for n in nodes]]
             req.spec_token_ids = list(state.tree.tokens)
