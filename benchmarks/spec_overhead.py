@@ -12,8 +12,8 @@ Every method drafts its maximum each step (`"adaptive": false`), on B requests a
 
 Reports, per method and batch size, milliseconds per decode step outside the target forward,
 divided by B (the per-request overhead); the part of it that is not the draft network's own
-forward (a head's or draft model's module calls and its LM head products: what is left is
-the machinery, mostly Python); and the target forward's own milliseconds per step.
+forward (its forward and its LM head products, timed by wrappers: what is left is the
+machinery, mostly Python); and the target forward's own milliseconds per step.
 Runs against whichever specserve is importable (PYTHONPATH=../other-checkout to compare).
 """
 
@@ -144,48 +144,44 @@ def measure(llm, batch: int, max_tokens: int, seed: int = 0, vocab: int = 512, r
 
 
 def _time_draft_network(engine, total: list[float]) -> list:
-    """Adds to total[0] the seconds of the proposer's network: the module calls of an EAGLE
-    head, Medusa heads or a draft model (forward hooks) and their LM head products (the
-    proposer's `_lm_head` / `lm_head`, Medusa's `heads.logits`, the draft model's
-    `compute_logits`), nested calls counted once. Works on any checkout whose engine keeps its
-    proposer at engine.spec.proposer. Returns the callables that undo it."""
+    """Adds to total[0] the seconds of the proposer's network: the forward of an EAGLE head,
+    Medusa heads or a draft model and their LM head products (the proposer's `_lm_head` /
+    `lm_head`, Medusa's `heads.logits`, the draft model's `compute_logits`), nested calls
+    counted once. Each is wrapped as an instance attribute, not a forward hook: hooks send
+    every module call down torch's slow path, whose extra time would count as machinery.
+    Works on any checkout whose engine keeps its proposer at engine.spec.proposer. Returns
+    the callables that undo it."""
     from torch import nn
 
     proposer = getattr(engine.spec, "proposer", None)
     heads = getattr(proposer, "heads", None)
     model = getattr(getattr(proposer, "runner", None), "model", None)
-    modules = [getattr(proposer, "head", None), heads, model]
+    targets = [(m, "forward") for m in (getattr(proposer, "head", None), heads, model) if m is not None]
     if heads is not None and type(heads).forward is nn.ModuleList.forward:
-        modules += [m for head in heads for m in head]  # older Medusa: blocks called one by one
+        targets = [(m, "forward") for head in heads for m in head]  # older Medusa: blocks called one by one
+    targets += [(proposer, "_lm_head"), (proposer, "lm_head"), (heads, "logits"), (model, "compute_logits")]
     depth, started = [0], [0.0]
-
-    def enter(*_):
-        if depth[0] == 0:
-            started[0] = CLOCK()
-        depth[0] += 1
-
-    def leave(*_):
-        depth[0] -= 1
-        if depth[0] == 0:
-            total[0] += CLOCK() - started[0]
-
     undo = []
-    for m in modules:
-        if m is not None:
-            undo += [m.register_forward_pre_hook(enter).remove, m.register_forward_hook(leave).remove]
-    for owner, name in ((proposer, "_lm_head"), (proposer, "lm_head"), (heads, "logits"), (model, "compute_logits")):
+    for owner, name in targets:
         fn = getattr(owner, name, None) if owner is not None else None
-        if callable(fn):
-            def timed(*args, _fn=fn, **kwargs):
-                enter()
-                try:
-                    return _fn(*args, **kwargs)
-                finally:
-                    leave()
-            own = vars(owner)  # a method's wrapper shadows it as an instance attribute
-            undo.append(lambda own=own, name=name, had=name in own, was=own.get(name):
-                        own.__setitem__(name, was) if had else own.pop(name, None))
-            own[name] = timed
+        if not callable(fn):
+            continue
+
+        def timed(*args, _fn=fn, **kwargs):
+            if depth[0] == 0:
+                started[0] = CLOCK()
+            depth[0] += 1
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    total[0] += CLOCK() - started[0]
+
+        own = vars(owner)  # the wrapper shadows the method (or callable) as an instance attribute
+        undo.append(lambda own=own, name=name, had=name in own, was=own.get(name):
+                    own.__setitem__(name, was) if had else own.pop(name, None))
+        own[name] = timed
     return undo
 
 

@@ -65,6 +65,7 @@ class _Growing:
     outs: list[torch.Tensor | None] = field(default_factory=list)  # head output of each expanded node
     rows: list[int] = field(default_factory=list)  # head K/V entry of each expanded node (-1: none)
     frontier: list[int] = field(default_factory=list)
+    expanded: int = 0  # nodes run through the head so far
 
 
 class EagleProposer:
@@ -171,15 +172,15 @@ class EagleProposer:
         return out
 
     def _grow(self, grow: list[_Growing], min_score: float) -> None:
-        self._add_children(grow, [[-1] for _ in grow], torch.stack([g.cache.last_out for g in grow]),
-                           [[0.0] for _ in grow], min_score)
+        self._add_children(grow, [[-1] for _ in grow], torch.stack([g.cache.last_out for g in grow]), min_score)
         for d in range(1, self.depth):
             active = [g for g in grow if g.frontier]
             if not active:
                 return
             feats, ids, positions, segments = [], [], [], []
             for g in active:
-                past, num, f = g.cache.pairs, sum(r >= 0 for r in g.rows), len(g.frontier)
+                past, num, f = g.cache.pairs, g.expanded, len(g.frontier)
+                g.expanded += f
                 mask = np.zeros((f, past + num + f), dtype=bool)  # the pairs, its ancestors, itself
                 mask[:, :past] = True
                 for j, i in enumerate(g.frontier):
@@ -197,28 +198,27 @@ class EagleProposer:
                 for i in g.frontier:
                     g.outs[i] = out[at]
                     at += 1
-            self._add_children(active, [g.frontier for g in active], out,
-                               [[g.scores[i] for i in g.frontier] for g in active], min_score)
+            self._add_children(active, [g.frontier for g in active], out, min_score)
 
-    def _add_children(self, grow, parents: list[list[int]], outs: torch.Tensor,
-                      parent_scores: list[list[float]], min_score: float) -> None:
-        """Each parent node (-1: the root) gets its top-k children; each request's next
-        frontier is its k best new nodes worth expanding. outs: [sum of parents, hidden]."""
+    def _add_children(self, grow, parents: list[list[int]], outs: torch.Tensor, min_score: float) -> None:
+        """Each parent node (-1: the root) gets its top-k children, score = parent score +
+        log q(child); each request's next frontier is its k best new nodes worth expanding.
+        outs: [sum of parents, hidden], the parents' head outputs in order."""
         k = self.topk
         lp_l, tok_l = self._top(outs)  # [P][k]: one synchronisation per depth
         at = 0
-        for g, ps, scores in zip(grow, parents, parent_scores):
-            new = []
-            for parent, base in zip(ps, scores):
-                for r in range(k):
-                    g.tokens.append(tok_l[at][r])
-                    g.parents.append(parent)
-                    g.scores.append(base + lp_l[at][r])
-                    g.outs.append(None)
-                    g.rows.append(-1)
-                    new.append(len(g.tokens) - 1)
+        for g, ps in zip(grow, parents):
+            start = len(g.tokens)
+            for parent in ps:
+                base = g.scores[parent] if parent >= 0 else 0.0
+                g.tokens += tok_l[at]
+                g.scores += [base + lp for lp in lp_l[at]]
                 at += 1
-            best = sorted(new, key=lambda i: -g.scores[i])[:k]
+            new = len(g.tokens) - start
+            g.parents += [p for p in ps for _ in range(k)]
+            g.outs += [None] * new
+            g.rows += [-1] * new
+            best = sorted(range(start, len(g.tokens)), key=g.scores.__getitem__, reverse=True)[:k]  # stable
             g.frontier = [i for i in best if g.scores[i] >= min_score]
 
 
