@@ -264,8 +264,8 @@ def _count_head_passes(llm, window: int | None = None) -> list[list[int]]:
 
 def test_a_gated_off_head_adds_no_work(tmp_path):
     """A head that does not pay runs on no step but its probes; a probe catches the head up on
-    every committed token since its last run in one batched pass (after the prompt's, at most
-    `window` of them), and output stays exact."""
+    every committed token since its last run in one batched pass, at most `window` of them
+    (a first pass at most `prompt_window`: a long prompt's last pairs), and output stays exact."""
     ref = greedy_ids(tiny_llm(tmp_path))
     config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "lookup_branch": 0,
               "quantization": "none"}
@@ -279,13 +279,16 @@ def test_a_gated_off_head_adds_no_work(tmp_path):
 
     longer = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
     ref = greedy_ids(tiny_llm(tmp_path), PROMPTS[:1], longer)
-    llm = tiny_llm(tmp_path, config)  # a gap longer than the window: the last `window` pairs only
-    passes = _count_head_passes(llm, window=4)
-    llm.engine.spec.policy.realized.margin = -0.99  # never off as a whole: the head's own probes
-    assert greedy_ids(llm, PROMPTS[:1], longer) == ref
-    active = [i for i, p in enumerate(passes) if p]
-    assert len(active) >= 2 and passes[active[0]][0] > 4  # the prompt's pass whole
-    assert all(passes[at][0] == 4 for at in active[1:])
+    prompt_pairs = len(PROMPTS[0]["prompt_token_ids"]) + PROBE_FIRST  # pairs when first probed
+    for prompt_window, first in ((64, prompt_pairs), (5, 5)):
+        llm = tiny_llm(tmp_path, config)  # gaps longer than the window: the last `window` pairs only
+        passes = _count_head_passes(llm, window=4)
+        llm.engine.spec.proposer.prompt_window = prompt_window
+        llm.engine.spec.policy.realized.margin = -0.99  # never off as a whole: the head's own probes
+        assert greedy_ids(llm, PROMPTS[:1], longer) == ref
+        active = [i for i, p in enumerate(passes) if p]
+        assert len(active) >= 2 and passes[active[0]][0] == first
+        assert all(passes[at][0] == 4 for at in active[1:])
 
 
 def test_lookup_chains_alone_keep_greedy_output(tmp_path):
