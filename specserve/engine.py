@@ -175,6 +175,7 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        step_start = time.perf_counter()
         outputs = [self._output(r) for r in self._aborted]
         self._aborted = []
         sched = self.scheduler.schedule()  # 1. schedule
@@ -202,7 +203,7 @@ class Engine:
             else:
                 self.kv.cache_committed_blocks(req)
             outputs.append(self._output(req))
-        self.spec.propose([r for r in self.scheduler.running if not r.finished])  # 5. propose
+        self.spec.propose([r for r in self.scheduler.running if not r.finished], step_start)  # 5. propose
         return outputs
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:

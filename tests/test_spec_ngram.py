@@ -116,3 +116,27 @@ def test_stops_inside_an_accepted_run(llm, ngram_llm):
     assert outs[1].token_ids == full[:cut] and outs[1].text == text[:text.index(stop)]
     assert outs[1].finish_reason == "stop" and outs[1].stop_reason == stop
     assert outs[2].token_ids == full[:7] and outs[2].finish_reason == "length"
+
+
+def test_realized_times_the_engines_own_steps(ngram_llm):
+    """Realized's samples are the engine's own step time: a pause between steps (another
+    engine stepping in the same process, an idle server) is not charged to either mode."""
+    import time
+
+    spec, samples = ngram_llm.engine.spec, []
+    observe, adaptive = spec.policy.realized.observe, spec.policy.adaptive
+    spec.policy.realized.observe = lambda b, s, seconds, *a: (samples.append(seconds), observe(b, s, seconds, *a))
+    spec.policy.adaptive = True  # set_num_drafts turns it off
+    try:
+        prompt = ngram_llm.engine.tokenizer.encode(HIT_PROMPTS[0])
+        ngram_llm.engine.add_request("paused", prompt, GREEDY)
+        longest = 0.0
+        while ngram_llm.engine.has_unfinished_requests():
+            step_start = time.perf_counter()
+            ngram_llm.engine.step()
+            longest = max(longest, time.perf_counter() - step_start)
+            time.sleep(0.5)
+    finally:
+        spec.policy.realized.observe, spec.policy.adaptive = observe, adaptive
+    # a sample is the end of one step and the start of the next, never the pause between them
+    assert len(samples) >= 4 and max(samples) <= 2 * longest

@@ -49,6 +49,7 @@ class SpecDecoder:
         self.states: dict[str, RequestState] = {}
         self._num_drafted = 1  # requests the proposer drafted for last step (its cost share)
         self._interval: tuple[float, int, bool, bool] | None = None  # from propose to propose
+        self._busy = 0.0  # seconds inside engine steps so far: the clock of _interval
         self._step: tuple[bool, int, int] = (False, 0, 0)  # decode only, requests, tokens emitted
         self.log = SpecLog()  # acceptance every few seconds while drafting
         self.grammars: Grammars | None = None  # set by the engine at the first structured request
@@ -211,16 +212,26 @@ class SpecDecoder:
         self.proposer.observe(ids, starts, sizes, hidden)
 
     # -- drafting --------------------------------------------------------------------------------
-    def propose(self, running: list[Request]) -> None:
+    def propose(self, running: list[Request], step_start: float | None = None) -> None:
+        """Drafts for the next step; called last in an engine step that began at `step_start`
+        (perf_counter), so that Realized times the engine's own steps only, not whatever runs
+        between them (another engine, an idle server)."""
         if not self.speculating:
             return
+        step_start = time.perf_counter() if step_start is None else step_start
+        try:
+            self._propose(running, step_start)
+        finally:
+            self._busy += time.perf_counter() - step_start
+
+    def _propose(self, running: list[Request], step_start: float) -> None:
         batch = len(running)
         eligible = []
         for req in running:
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             if req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1 and room >= 1:
                 eligible.append((req, room))
-        if not (self._speculate(batch, bool(eligible)) if self.policy.adaptive else eligible):
+        if not (self._speculate(batch, bool(eligible), step_start) if self.policy.adaptive else eligible):
             return  # nothing to draft for, a plain step to measure, or speculation measured slower
         states = [self._state(r) for r, _ in eligible]
         trees: list[DraftTree | None] = [None] * len(eligible)
@@ -236,11 +247,12 @@ class SpecDecoder:
         self._select(eligible, states, trees, probes, batch)
         self.log.maybe(self.stats)
 
-    def _speculate(self, batch: int, eligible: bool) -> bool:
+    def _speculate(self, batch: int, eligible: bool, step_start: float) -> bool:
         """Closes the last propose-to-propose interval (a sample of cost_model.Realized when its
         step decoded the batch it was proposed for) and decides the next: plain when the cost
-        model wants a plain step, or when the measured rate says speculation loses."""
-        now, policy = time.perf_counter(), self.policy
+        model wants a plain step, or when the measured rate says speculation loses. The
+        interval is timed in engine-busy seconds (the gaps between steps left out)."""
+        now, policy = self._busy + time.perf_counter() - step_start, self.policy
         if self._interval is not None:
             start, b, spec, spec_before = self._interval
             decode_only, requests, tokens = self._step
