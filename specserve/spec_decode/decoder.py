@@ -212,13 +212,12 @@ class SpecDecoder:
         self.proposer.observe(ids, starts, sizes, hidden)
 
     # -- drafting --------------------------------------------------------------------------------
-    def propose(self, running: list[Request], step_start: float | None = None) -> None:
+    def propose(self, running: list[Request], step_start: float) -> None:
         """Drafts for the next step; called last in an engine step that began at `step_start`
         (perf_counter), so that Realized times the engine's own steps only, not whatever runs
         between them (another engine, an idle server)."""
         if not self.speculating:
             return
-        step_start = time.perf_counter() if step_start is None else step_start
         try:
             self._propose(running, step_start)
         finally:
