@@ -139,9 +139,10 @@ class DraftModelProposer:
 
     def _sample(self, logits: torch.Tensor, batch: ProposeBatch, rows: list[int], done: list[int]):
         """Draft token per row, its log q, and the draft distribution q [B, V] (None: all greedy)."""
-        top, greedy_ids = logits.max(-1)  # the first of equal maxima, as argmax
-        if all(batch.params[j].greedy for j in rows):
-            return greedy_ids.tolist(), (top - logits.logsumexp(-1)).tolist(), None
+        if all(batch.params[j].greedy for j in rows):  # log q of the argmax in two calls (a
+            logq, ids = logits.log_softmax(-1).max(-1)  # third of max, logsumexp and a subtraction)
+            return ids.tolist(), logq.tolist(), None
+        greedy_ids = logits.argmax(-1)
         params = [_no_penalties(batch.params[j]) for j in rows]
         positions = [len(batch.token_ids[j]) + d for j, d in zip(rows, done)]
         # a seeded request is verified against the target's own draws (coupled): drafting with

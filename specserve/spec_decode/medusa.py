@@ -120,6 +120,8 @@ class MedusaProposer:
         if heads.vocab and not quantize:
             self.heads.fuse_lm_heads()
         self.paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
+        where = {p: i for i, p in enumerate(self.paths)}  # each path as (head, rank, its prefix's index)
+        self.plan = [(len(p) - 1, p[-1], where.get(p[:-1], -1)) for p in self.paths]
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
 
@@ -147,16 +149,20 @@ class MedusaProposer:
         top = self.d2t[top] if self.d2t is not None else top
         top_lp, top = top_lp.tolist(), top.tolist()  # one transfer for the batch
         for b, j in enumerate(ready):
-            index, tokens, parents, scores = {}, [], [], []
-            for p in self.paths:
-                parent = index.get(p[:-1], -1) if len(p) > 1 else -1
-                score = (scores[parent] if parent >= 0 else 0.0) + top_lp[len(p) - 1][b][p[-1]]
-                if (len(p) > 1 and p[:-1] not in index) or score < batch.min_score:
+            node = [-1] * len(self.plan)  # each path's node, -1: not in the tree
+            tokens, parents, scores = [], [], []
+            budget = min(self.m, batch.max_drafts[j])
+            for i, (head, rank, prefix) in enumerate(self.plan):
+                parent = node[prefix] if prefix >= 0 else -1
+                if prefix >= 0 and parent < 0:
                     continue
-                if len(tokens) == min(self.m, batch.max_drafts[j]):
+                score = (scores[parent] if parent >= 0 else 0.0) + top_lp[head][b][rank]
+                if score < batch.min_score:
+                    continue
+                if len(tokens) == budget:
                     break
-                index[p] = len(tokens)
-                tokens.append(top[len(p) - 1][b][p[-1]])
+                node[i] = len(tokens)
+                tokens.append(top[head][b][rank])
                 parents.append(parent)
                 scores.append(score)
             out[j] = DraftTree(tokens, parents, None, scores) if tokens else None
