@@ -7,11 +7,13 @@ and fills in defaults. Environment variables are read in one place: `env_str`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+logger = logging.getLogger("specserve")
 
 
 def env_str(name: str, default: str = "") -> str:
@@ -53,6 +55,17 @@ class SchedulerConfig:
 # (the shipped head's best size where rows are nearly free, docs/benchmarks.md), Medusa's
 # whole tree
 DEFAULT_DRAFTS = {"ngram": 8, "draft_model": 4, "eagle": 8, "medusa": 64}
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+# keys of our own, beside vLLM's, and the methods they apply to: "adaptive" (bool, all),
+# "lookup_branch" (int >= 0), "min_draft_prob" (0 <= p < 1: a fixed cut instead of the cost
+# model's), "medusa_tree"; vLLM's "quantization" names the draft head's weights ("auto" |
+# "int8" | "none")
+SPEC_KEY_METHODS = {"lookup_branch": ("eagle", "medusa"), "min_draft_prob": ("eagle",),
+                    "medusa_tree": ("medusa",), "quantization": ("eagle", "medusa")}
+
+
+def _int_at_least(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 @dataclass(frozen=True)
@@ -70,8 +83,46 @@ class SpecConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens is None and self.method not in (None, "auto"):
-            object.__setattr__(self, "num_speculative_tokens", DEFAULT_DRAFTS.get(self.method, 3))
+        """A concrete method's values are checked here, before anything loads."""
+        if self.method in (None, "auto"):
+            return
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method: unknown method {self.method!r}; "
+                             f"expected one of auto, {', '.join(SPEC_METHODS)}")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_DRAFTS[self.method])
+        self._check()
+
+    def _check(self) -> None:
+        if not _int_at_least(self.num_speculative_tokens, 1):
+            raise ValueError("speculative_config.num_speculative_tokens: must be an integer >= 1, "
+                             f"got {self.num_speculative_tokens!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "draft_model" and not (_int_at_least(lo, 1) and _int_at_least(hi, lo)):
+            raise ValueError("speculative_config.prompt_lookup_min/max: need integers with "
+                             f"1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r}, {hi!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model: method 'draft_model' needs a draft model "
+                             "(a model directory, a .gguf file or an alias)")
+        for key in ("depth", "topk"):
+            value = getattr(self, key)
+            if value is not None and not _int_at_least(value, 1):
+                raise ValueError(f"speculative_config.{key}: must be an integer >= 1, got {value!r}")
+        for key, methods in SPEC_KEY_METHODS.items():  # a key the method would ignore is a mistake
+            if key in self.extra and self.method not in methods:
+                raise ValueError(f"speculative_config.{key}: applies to method {' or '.join(methods)}, "
+                                 f"not {self.method!r}")
+        if not _int_at_least(self.extra.get("lookup_branch", 0), 0):
+            raise ValueError("speculative_config.lookup_branch: must be an integer >= 0, "
+                             f"got {self.extra['lookup_branch']!r}")
+        p = self.extra.get("min_draft_prob", 0.0)
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p < 1:
+            raise ValueError(f"speculative_config.min_draft_prob: must be a number in [0, 1), got {p!r}")
+        if not isinstance(self.extra.get("adaptive", True), bool):
+            raise ValueError("speculative_config.adaptive: must be true or false")
+        unknown = sorted(set(self.extra) - set(SPEC_KEY_METHODS) - {"adaptive"})
+        if unknown:  # vLLM has many more keys; accept them so configs carry over
+            logger.warning("speculative_config: ignoring keys %s", ", ".join(unknown))
 
     @staticmethod
     def parse(value: str | dict | None) -> "SpecConfig":

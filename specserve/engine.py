@@ -72,8 +72,6 @@ class Engine:
         self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         spec_config = methods.resolve(config.spec, mc.model)
-        if spec_config.method is not None:
-            methods.validate(spec_config)
         cache = config.cache
         if cache.num_blocks is None:  # one memory budget for the target's KV and a draft model's
             dtype = pick_dtype(mc.dtype, pick_device(mc.device))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import SamplingParams
+from specserve.config import EngineConfig
 from tests.conftest import write_tiny_model
 from tests.spec_helpers import (HIT_PROMPTS, MAX_TOKENS, MISS_PROMPTS, check_prefix_cache,
                                 greedy_baseline, set_num_drafts, token_ids)
@@ -122,5 +123,8 @@ def test_config_errors(make_llm, tiny_pair, tmp_path, default_model_dir):
     for config, message in cases:
         with pytest.raises(ValueError, match=message):
             make_llm(str(target), num_blocks=16, speculative_config=config)
+        if message != "vocabulary":  # the rest is caught before anything loads
+            with pytest.raises(ValueError, match=message):
+                EngineConfig.create("no-such-model", speculative_config=config)
     llm = make_llm(str(target), num_blocks=16, speculative_config='{"model": "%s"}' % target)
     assert llm.engine.spec.proposer.name == "draft_model"  # a model alone implies draft_model

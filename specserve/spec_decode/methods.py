@@ -1,30 +1,18 @@
-"""Speculative methods: configuration checks, the default method, and the decoder's parts.
+"""Speculative methods: the default method and the decoder's parts.
 
-`validate` rejects bad values at engine start; `resolve` turns the default method "auto" into
-a real one; `kv_bytes_per_block` is the KV memory a method adds per block (a draft model's
-cache); `make_decoder` builds the SpecDecoder with its proposer, prompt lookup and policy:
+`resolve` turns the default method "auto" into a real one (values are checked when the config
+is made: specserve.config.SpecConfig); `kv_bytes_per_block` is the KV memory a method adds per
+block (a draft model's cache); `make_decoder` builds the SpecDecoder with its proposer, prompt lookup and policy:
 ngram (lookup alone), draft_model (draft_model.DraftModelProposer), eagle (eagle.EagleProposer)
 and medusa (medusa.MedusaProposer), the last two with a grafted lookup chain.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 
 from specserve.config import DEFAULT_DRAFTS, DEFAULT_MODEL, SpecConfig
 
-logger = logging.getLogger("specserve.spec_decode")
-
-CHAIN_METHODS = ("ngram", "draft_model")
-TREE_METHODS = ("eagle", "medusa")
-METHODS = CHAIN_METHODS + TREE_METHODS
-# keys of our own, beside vLLM's: "adaptive" (bool), "lookup_branch" (int >= 0; tree methods),
-# "min_draft_prob" (eagle, 0 <= p < 1: a fixed cut instead of the cost model's), "medusa_tree";
-# vLLM's "quantization" names the draft head's weights (tree methods: "auto" | "int8" | "none")
-OWN_KEYS = {"adaptive", "medusa_tree", "lookup_branch", "min_draft_prob", "quantization"}
-KEY_METHODS = {"lookup_branch": TREE_METHODS, "min_draft_prob": ("eagle",), "medusa_tree": ("medusa",),
-               "quantization": TREE_METHODS}
 LOOKUP_BRANCH = 4  # default lookup chain grafted onto trees; chains of up to 4x this are drafted
 
 
@@ -37,46 +25,6 @@ def resolve(config: SpecConfig, model: str) -> SpecConfig:
     method = "eagle" if canonical_alias(model) == DEFAULT_MODEL and config.model is None else "ngram"
     k = config.num_speculative_tokens or DEFAULT_DRAFTS[method]
     return replace(config, method=method, num_speculative_tokens=k)
-
-
-def _int_at_least(value, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
-def validate(config: SpecConfig) -> None:
-    if config.method not in METHODS:
-        raise ValueError(f"speculative_config.method: unknown method {config.method!r}; "
-                         f"expected one of auto, {', '.join(METHODS)}")
-    if not _int_at_least(config.num_speculative_tokens, 1):
-        raise ValueError("speculative_config.num_speculative_tokens: must be an integer >= 1, "
-                         f"got {config.num_speculative_tokens!r}")
-    if config.method != "draft_model":
-        lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
-        if not _int_at_least(lo, 1) or not _int_at_least(hi, lo):
-            raise ValueError("speculative_config.prompt_lookup_min/max: need integers with "
-                             f"1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r}, {hi!r}")
-    if config.method == "draft_model" and not config.model:
-        raise ValueError("speculative_config.model: method 'draft_model' needs a draft model "
-                         "(a model directory, a .gguf file or an alias)")
-    for key in ("depth", "topk"):
-        value = getattr(config, key)
-        if value is not None and not _int_at_least(value, 1):
-            raise ValueError(f"speculative_config.{key}: must be an integer >= 1, got {value!r}")
-    for key, methods in KEY_METHODS.items():  # a key the method would ignore is a mistake
-        if key in config.extra and config.method not in methods:
-            raise ValueError(f"speculative_config.{key}: applies to method {' or '.join(methods)}, "
-                             f"not {config.method!r}")
-    if not _int_at_least(config.extra.get("lookup_branch", 0), 0):
-        raise ValueError("speculative_config.lookup_branch: must be an integer >= 0, "
-                         f"got {config.extra['lookup_branch']!r}")
-    min_prob = config.extra.get("min_draft_prob", 0.0)
-    if not isinstance(min_prob, (int, float)) or isinstance(min_prob, bool) or not 0 <= min_prob < 1:
-        raise ValueError(f"speculative_config.min_draft_prob: must be a number in [0, 1), got {min_prob!r}")
-    if not isinstance(config.extra.get("adaptive", True), bool):
-        raise ValueError("speculative_config.adaptive: must be true or false")
-    unknown = sorted(set(config.extra) - OWN_KEYS)
-    if unknown:  # vLLM has many more keys; accept them so configs carry over
-        logger.warning("speculative_config: ignoring keys %s", ", ".join(unknown))
 
 
 def kv_bytes_per_block(config: SpecConfig, target_arch, block_size: int, dtype) -> int:

@@ -6,7 +6,7 @@ tokens in t(B, B + n) seconds.
 
   * Node values: v(node) = P(the node ends on the accepted path). Scored nodes (a head's or a
     draft model's path probability) read it from `ScoreCalibration`, learned from every
-    verified scored node; lookup nodes from `DepthAcceptance`, the request's own acceptance
+    verified scored node; lookup nodes from `Rates` by depth, the request's own acceptance
     at each depth shrunk towards the decoder-wide rate. A child is never worth more than its
     parent, so the most valuable nodes always form trees.
   * `select`: all candidate nodes of the batch, most valuable first; the count n maximising
@@ -29,6 +29,7 @@ With "adaptive": false the proposer drafts its maximum and all of it is verified
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -42,46 +43,44 @@ MARGIN = 0.10  # speculate only when the predicted step rate beats plain by this
 FAIRNESS = 0.05  # how much slower than in a plain step a request may advance in a step with drafts
 PROBE_FIRST, PROBE_MAX = 8, 128  # steps between probes of a gated-off request (doubling)
 SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0001])
+_EDGES = SCORE_BINS.tolist()  # for bisect, per verified node
 
 
-class DepthAcceptance:
-    """P(lookup node at depth d accepted | its parent accepted): counts by depth, decayed."""
+class Rates:
+    """accepted / tried per index (a depth, a score bin), both decayed at each observation."""
 
-    def __init__(self, depth: int, decay: float, prior: tuple[float, float] = (1.0, 2.0)) -> None:
-        self.accepted = np.full(depth, prior[0])
-        self.tried = np.full(depth, prior[1])
-        self.decay = decay
+    def __init__(self, accepted: np.ndarray, tried: np.ndarray, decay: float) -> None:
+        self.accepted, self.tried, self.decay = accepted, tried, decay
 
     def rates(self) -> np.ndarray:
         return self.accepted / self.tried
 
-    def observe(self, depth: int, accepted: bool) -> None:
-        if depth <= len(self.tried):
-            self.accepted[depth - 1] = self.accepted[depth - 1] * self.decay + accepted
-            self.tried[depth - 1] = self.tried[depth - 1] * self.decay + 1
+    def observe(self, i: int, accepted: bool) -> None:
+        if 0 <= i < len(self.tried):
+            self.accepted[i] = self.accepted[i] * self.decay + accepted
+            self.tried[i] = self.tried[i] * self.decay + 1
 
 
-class ScoreCalibration:
+class ScoreCalibration(Rates):
     """P(scored node on the accepted path) by its draft path probability, in bins."""
 
     def __init__(self, decay: float = 0.998) -> None:
         centers = (SCORE_BINS[:-1] + SCORE_BINS[1:]) / 2
-        self.accepted, self.tried = centers * 2, np.full(len(centers), 2.0)
-        self.decay = decay
+        super().__init__(centers * 2, np.full(len(centers), 2.0), decay)
+
+    @staticmethod
+    def bins(scores) -> np.ndarray:
+        return np.clip(np.searchsorted(SCORE_BINS, np.exp(scores), "right") - 1, 0, len(SCORE_BINS) - 2)
 
     def values(self, scores: np.ndarray) -> np.ndarray:
-        rate = np.maximum.accumulate(self.accepted / self.tried)  # never less for a likelier node
-        return rate[np.clip(np.searchsorted(SCORE_BINS, np.exp(scores), "right") - 1, 0, len(rate) - 1)]
+        return np.maximum.accumulate(self.rates())[self.bins(scores)]  # never less for a likelier node
 
-    def observe(self, score: float, accepted: bool) -> None:
-        b = min(max(int(np.searchsorted(SCORE_BINS, math.exp(score), "right")) - 1, 0), len(self.tried) - 1)
-        self.accepted[b] = self.accepted[b] * self.decay + accepted
-        self.tried[b] = self.tried[b] * self.decay + 1
+    def observe_score(self, score: float, accepted: bool) -> None:
+        self.observe(min(max(bisect.bisect_right(_EDGES, math.exp(score)) - 1, 0), len(SCORE_BINS) - 2), accepted)
 
     def min_score(self, value: float) -> float:
         """The log draft probability from which nodes are worth `value`."""
-        rate = np.maximum.accumulate(self.accepted / self.tried)
-        ok = np.flatnonzero(rate >= value)
+        ok = np.flatnonzero(np.maximum.accumulate(self.rates()) >= value)
         return math.log(max(SCORE_BINS[ok[0]], 1e-9)) if len(ok) else 0.0
 
 
@@ -100,7 +99,7 @@ class Gate:
 class RequestState:
     """Everything the decoder keeps for one request between steps."""
 
-    lookup: DepthAcceptance
+    lookup: Rates  # P(lookup node at depth d + 1 accepted | its parent accepted)
     gate: Gate = field(default_factory=Gate)
     tree: DraftTree | None = None  # the drafts put on the request for its next step
     chain_nodes: list[int] = field(default_factory=list)  # nodes of `tree` that came from lookup
@@ -119,13 +118,13 @@ class SpecPolicy:
         self.adaptive = adaptive and cost is not None
         self.min_draft_prob = min_draft_prob  # the user's fixed cut instead of the cost model's
         self.max_depth = max_depth
-        self.lookup = DepthAcceptance(max_depth, decay=0.98)  # decoder-wide prior by depth
+        self.lookup = Rates(np.ones(max_depth), np.full(max_depth, 2.0), 0.98)  # decoder-wide, by depth
         self.scores = ScoreCalibration()
         self.draft_cost = Curve()  # seconds of a proposer call by requests drafted for
         self.realized = Realized()  # whole steps, speculating vs plain, by batch size
 
     def new_state(self) -> RequestState:
-        return RequestState(DepthAcceptance(self.max_depth, decay=0.8, prior=(0.0, 0.0)))
+        return RequestState(Rates(np.zeros(self.max_depth), np.zeros(self.max_depth), 0.8))
 
     def observe_unused(self, state: RequestState) -> None:
         """The per-request proposer drafted, but the selection kept none of it: no gain."""
@@ -232,12 +231,12 @@ class SpecPolicy:
         for i, p in enumerate(tree.parents):
             ok = i in on_path
             if tree.scores is not None and tree.scores[i] is not None:
-                self.scores.observe(tree.scores[i], ok)
+                self.scores.observe_score(tree.scores[i], ok)
                 drafted_rows += 1
                 drafted_gain += ok
             if i in chain_depth and p in reached:
-                state.lookup.observe(chain_depth[i], ok)
-                self.lookup.observe(chain_depth[i], ok)
+                state.lookup.observe(chain_depth[i] - 1, ok)
+                self.lookup.observe(chain_depth[i] - 1, ok)
         if state.drafted:
             g = state.gate
             g.gain = 0.7 * g.gain + 0.3 * drafted_gain
