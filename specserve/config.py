@@ -68,6 +68,18 @@ def _int_at_least(value, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
+def _check_medusa_tree(paths) -> None:
+    """A list of paths of top-k ranks, each path's prefix in the list too."""
+    if not (isinstance(paths, (list, tuple)) and paths and all(
+            isinstance(p, (list, tuple)) and p and all(_int_at_least(r, 0) for r in p) for p in paths)):
+        raise ValueError("speculative_config.medusa_tree: expected a non-empty list of paths, each "
+                         "a non-empty list of ranks (integers >= 0)")
+    have = {tuple(p) for p in paths}
+    for p in have:
+        if len(p) > 1 and p[:-1] not in have:
+            raise ValueError(f"speculative_config.medusa_tree: path {list(p)} lacks its prefix")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """vLLM's --speculative-config keys. method None means no speculation; "auto" (the
@@ -118,6 +130,11 @@ class SpecConfig:
         p = self.extra.get("min_draft_prob", 0.0)
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p < 1:
             raise ValueError(f"speculative_config.min_draft_prob: must be a number in [0, 1), got {p!r}")
+        if self.extra.get("quantization", "auto") not in ("auto", "int8", "none"):
+            raise ValueError("speculative_config.quantization: expected one of auto, int8, none, "
+                             f"got {self.extra['quantization']!r}")
+        if "medusa_tree" in self.extra:
+            _check_medusa_tree(self.extra["medusa_tree"])
         if not isinstance(self.extra.get("adaptive", True), bool):
             raise ValueError("speculative_config.adaptive: must be true or false")
         unknown = sorted(set(self.extra) - set(SPEC_KEY_METHODS) - {"adaptive"})

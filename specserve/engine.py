@@ -178,7 +178,7 @@ class Engine:
         self._aborted = []
         sched = self.scheduler.schedule()  # 1. schedule
         for req in sched.preempted:
-            self.spec.reset(req)
+            self.spec.free(req.request_id)
         if not sched.requests:
             return outputs
         start = time.perf_counter()

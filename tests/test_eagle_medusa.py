@@ -332,12 +332,13 @@ def test_tree_config_keys_reach_the_proposer(tmp_path):
 def test_medusa_tree_is_validated():
     from specserve.spec_decode.medusa import tree_from_choices
 
-    assert tree_from_choices([[1], [0], [0, 2]], 4) == [(0,), (1,), (0, 2)]
+    assert tree_from_choices([[1], [0], [0, 2], [0, 2, 1]], 2) == [(0,), (1,), (0, 2)]
+    with pytest.raises(ValueError, match="deeper than the 2 heads"):
+        tree_from_choices([[0, 0, 0]], 2)
     for bad, message in [([], "non-empty list"), ([[0, -1]], "integers >= 0"), ([[]], "non-empty"),
-                         ([["a"]], "integers"), ([[0, 0, 0]], "deeper than the 2 heads"),
-                         ([[0, 1]], "lacks its prefix")]:
-        with pytest.raises(ValueError, match=message):
-            tree_from_choices(bad, 2)
+                         ([["a"]], "integers"), ([[0, 1]], "lacks its prefix"), ({"0": 1}, "list of paths")]:
+        with pytest.raises(ValueError, match=message):  # when the config is made
+            SpecConfig(method="medusa", model="heads", extra={"medusa_tree": bad})
 
 
 def test_medusa_own_lm_heads_fused_into_one_product():
@@ -360,13 +361,12 @@ def test_medusa_own_lm_heads_fused_into_one_product():
 
 
 def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
-    from specserve.spec_decode.draft_tree import path_of
-
     tree = DraftTree([10, 11, 12, 13], [-1, -1, 0, 1], scores=[-0.1, -0.2, -0.3, -0.4])
     merged, path = tree.graft([10, 12, 7, 8])  # shares 10 -> 12, then new nodes
     assert merged.tokens == [10, 11, 12, 13, 7, 8]
     assert merged.parents == [-1, -1, 0, 1, 2, 4]
-    assert path == [0, 2, 4, 5] == path_of(merged.tokens, merged.parents, [10, 12, 7, 8])
+    assert path == [0, 2, 4, 5] == merged.graft([10, 12, 7, 8])[1]  # grafted again: all found
+    assert merged.graft([10, 12, 7, 8])[0].tokens == merged.tokens
     assert merged.scores == [-0.1, -0.2, -0.3, -0.4, None, None]
     sub = merged.select([0, 2, 4])
     assert (sub.tokens, sub.parents, sub.scores) == ([10, 12, 7], [-1, 0, 1], [-0.1, -0.3, None])

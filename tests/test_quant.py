@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from specserve.config import SpecConfig
 from specserve.model.arch import ModelArch
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.spec_decode.medusa import MedusaHeads
@@ -117,7 +118,7 @@ def test_quantization_option_is_checked():
     assert not check_quantization(None, gpu, *shape)
     assert check_quantization("int8", cpu, *shape) and not check_quantization("none", cpu, *shape)
     with pytest.raises(ValueError, match="expected one of auto, int8, none"):
-        check_quantization("fp8", cpu, *shape)
+        SpecConfig(method="eagle", extra={"quantization": "fp8"})
     with pytest.raises(ValueError, match="CPU only"):
         check_quantization("int8", gpu, *shape)
 

@@ -1,23 +1,18 @@
 """The measured cost of a decode step on the machine the engine runs on.
 
 `StepCostModel` predicts the seconds of a decode-only target step of B requests verifying R
-rows (B plus every draft node): t(B, R) = rows(R) + base(B) [+ spec(B) when R > B].
-rows(R) is measured at engine start on one request of R new tokens (`measure`) and refined by
-every live step of one request: nearly flat where a GEMM over 8 rows costs what one row costs,
-linear where it costs 8 times as much. base(B), what B requests cost beyond their rows
-(attention, metadata), is learned from live plain steps (one in PLAIN_EVERY at each batch size,
-`wants_plain`, so that it follows the contexts), with a prior measured at start. spec(B) is
-what steps with drafts cost beyond that, learned per batch size from those steps.
+rows (B plus every draft node): t(B, R) = rows(R) + base(B) [+ spec(B) when R > B]. rows(R) is
+measured at engine start on one request and refined by live steps of one request (nearly flat
+where a GEMM over 8 rows costs what one row costs, linear where it costs 8 times as much);
+base(B) and spec(B) are learned from live steps at each batch size (`observe`).
 
-`Realized` checks the model's decisions against the wall clock: per batch-size bucket, the
-seconds per token of whole steps with speculation (drafting, verification and all) against
-those of plain steps, each over the model's plain step time so that growing contexts cancel
-out. Where speculation measures slower it is switched off and tried again in short runs at
+`Realized` checks the model's decisions against the wall clock: per batch-size bucket, whole
+steps with speculation against plain ones, in seconds per token over the model's plain step
+time. Where speculation measures slower it is switched off and tried again in short runs at
 doubling intervals: a model error cannot cost more than a probe.
 
-`Curve` is the table behind both and behind drafting costs: non-decreasing, linear between
-measured points, the last slope past the largest; live samples enter as moving averages.
-Nothing here is a constant true of one CPU: every number comes from a measurement.
+`Curve` is the table behind both and behind drafting costs. Nothing here is a constant true of
+one CPU: every number comes from a measurement.
 """
 
 from __future__ import annotations
@@ -38,7 +33,7 @@ PLAIN_EVERY = 16  # steps with drafts at a batch size between two plain ones (ba
 PROBE_AFTER, PROBE_MAX, PROBE_RUN = 32, 128, 6  # plain steps before a speculative probe run; its steps
 MIN_SAMPLES = 8  # speculative samples at a batch size before it can be judged slower
 PLAIN_SAMPLE_EVERY = 64  # steps with speculation between two plain samples of Realized
-_CALIBRATED: dict[tuple, "StepCostModel"] = {}  # per process: engines of one model share it
+_CALIBRATED: dict[tuple, tuple] = {}  # per process: engines of one model share the measurement
 
 
 class Curve:
@@ -50,9 +45,6 @@ class Curve:
         self.weight = weight
         for x, y in sorted((points or {}).items()):
             self._set(x, y)
-
-    def __bool__(self) -> bool:
-        return bool(self.x)
 
     def __call__(self, x: float) -> float:
         if not self.x:
@@ -72,8 +64,8 @@ class Curve:
 
     def update(self, x: int, value: float) -> None:
         """Blend a measurement at x into the curve (a new point starts from the prediction)."""
-        value = max(0.0, min(value, 3 * self(x) if self else value))  # a stall is not the machine
-        self._set(x, value if not self else (1 - self.weight) * self(x) + self.weight * value)
+        value = max(0.0, min(value, 3 * self(x) if self.x else value))  # a stall is not the machine
+        self._set(x, value if not self.x else (1 - self.weight) * self(x) + self.weight * value)
 
     def many(self, xs: np.ndarray) -> np.ndarray:
         """The curve at every x of an array (vectorised __call__ for x >= the first point)."""
@@ -153,9 +145,12 @@ class StepCostModel:
         process."""
         key = (repr(runner.arch), str(runner.dtype), str(runner.device), torch.get_num_threads(),
                runner.block_size)
-        if key in _CALIBRATED:
-            cached = _CALIBRATED[key]
-            return StepCostModel(dict(zip(cached.rows.x, cached.rows.y)), cached.per_request)
+        if key not in _CALIBRATED:
+            _CALIBRATED[key] = StepCostModel._calibrate(runner, kv, max_rows)
+        return StepCostModel(*_CALIBRATED[key])
+
+    @staticmethod
+    def _calibrate(runner, kv, max_rows: int) -> tuple[dict[int, float], float]:
         sizes = [r for r in CALIBRATION_ROWS if r <= max_rows]
         start = time.perf_counter()
         print(f"[specserve] measuring step costs on {runner.device} (rows {sizes[0]}..{sizes[-1]}) ...",
@@ -172,8 +167,7 @@ class StepCostModel:
         print(f" done in {time.perf_counter() - start:.1f} s: one row {1e3 * rows[1]:.1f} ms, "
               f"{most} rows {1e3 * rows[most]:.1f} ms, "
               f"+{1e3 * model.per_request:.2f} ms per request", flush=True)
-        _CALIBRATED[key] = model
-        return StepCostModel(rows, model.per_request)
+        return rows, model.per_request
 
 
 @dataclass

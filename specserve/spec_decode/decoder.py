@@ -11,7 +11,8 @@ Every engine has one, speculating or not. Per step:
     a draft model) where the policy says it pays, prompt lookup (ngram, and the chain grafted
     onto every tree) for every request; then the policy keeps, over the whole batch, the nodes
     worth their rows (specserve.spec_decode.policy).
-Per-request state lives in `self.states`, from a request's first step until `free`.
+Per-request state lives in `self.states`, from a request's first step until `free`
+(finished or preempted).
 """
 
 from __future__ import annotations
@@ -68,19 +69,11 @@ class SpecDecoder:
         return state
 
     def free(self, request_id: str) -> None:
+        """A request finished, or preempted (its drafts and every cache of it are gone; what
+        it needs again is rebuilt from its tokens)."""
         self.states.pop(request_id, None)
-        if self.proposer is not None:
-            self.proposer.free(request_id)
-        if self.lookup is not None:
-            self.lookup.free(request_id)
-
-    def reset(self, req: Request) -> None:
-        """A preempted request: its drafts and the proposer's caches are gone."""
-        state = self.states.get(req.request_id)
-        if state is not None:
-            state.tree, state.chain_nodes, state.masks = None, [], None
-        if self.proposer is not None:
-            self.proposer.free(req.request_id)
+        for proposer in filter(None, (self.proposer, self.lookup)):
+            proposer.free(request_id)
 
     def observe_forward(self, sched: SchedulerOutput, seconds: float) -> None:
         """The target forward's time: decode-only steps teach the cost model."""
@@ -162,8 +155,8 @@ class SpecDecoder:
         if not self.speculating:
             return
         state = self._state(req)
-        if state.drafted and not len(tree):  # drafted, but none of it was worth verifying
-            self.policy.observe_unused(state)
+        if state.drafted and not len(tree):  # drafted, but none of it was worth verifying: no gain
+            state.gate.gain *= 0.7
         if len(tree):
             req.num_draft_tokens += len(tree)
             req.num_accepted_tokens += len(path)
@@ -198,9 +191,8 @@ class SpecDecoder:
         paths = dict(zip(live, accepted))
         index, ids, starts, sizes, off = [], [], [], [], 0
         for i, (req, n, k) in enumerate(zip(sched.requests, sched.num_tokens, sched.num_drafts)):
-            committed = list(range(off, off + n - k)) + [off + n - k + node for node in paths.get(i, [])]
-            if i not in paths:  # mid-prefill: every token is committed
-                committed = list(range(off, off + n))
+            committed = (list(range(off, off + n - k)) + [off + n - k + node for node in paths[i]] if i in paths
+                         else list(range(off, off + n)))  # mid-prefill: every token is committed
             index += committed
             ids.append(req.request_id)
             starts.append(req.num_computed_tokens)

@@ -17,7 +17,7 @@ unless the request is seeded: coupled drafting), and that q travels with the cha
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -32,12 +32,6 @@ from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 
 _DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's noise stream must differ from the verifier's
 _MAX_BATCHED_CATCH_UP = 16  # longer catch-ups (a prompt) run alone, in chunks
-
-
-@dataclass
-class _DraftState:
-    base: int = 0  # committed length when the last draft was made
-    fed: list[int] = field(default_factory=list)  # drafts fed to the draft model at base..
 
 
 def draft_arch(model: str, target: ModelArch) -> tuple[object, ModelArch]:
@@ -61,7 +55,8 @@ class DraftModelProposer:
                                   CacheConfig(target.block_size, target.num_blocks), max_model_len)
         self.chunk_size = chunk_size
         self.vocab_size = arch.vocab_size
-        self._state: dict[str, _DraftState] = {}
+        self._state: dict[str, tuple[int, list[int]]] = {}  # request -> (committed length when
+        # it last drafted, the drafts then fed to the draft model from there)
 
     def observe(self, request_ids, starts, sizes, hidden) -> None:  # the draft runs on tokens alone
         pass
@@ -100,7 +95,7 @@ class DraftModelProposer:
             active = [j for j in active if len(tokens[j]) < ks[j] and scores[j][-1] >= batch.min_score]
         out: list[DraftTree | None] = []
         for j, rid in enumerate(batch.request_ids):
-            self._state[rid] = _DraftState(len(batch.token_ids[j]), tokens[j][:-1])
+            self._state[rid] = (len(batch.token_ids[j]), tokens[j][:-1])
             keep = sum(1 for s in scores[j] if s >= batch.min_score)
             p = torch.stack(probs[j][:keep]) if probs[j] and keep else None
             out.append(DraftTree.chain(tokens[j][:keep], p, scores[j][:keep]) if keep else None)
@@ -108,11 +103,9 @@ class DraftModelProposer:
 
     def _valid_prefix(self, j: int, batch: ProposeBatch) -> int:
         """Positions whose draft KV holds request j's committed tokens."""
-        st = self._state.get(batch.request_ids[j])
-        if st is None:
-            return 0
-        n, committed = st.base, batch.token_ids[j]
-        for tok in st.fed:
+        n, fed = self._state.get(batch.request_ids[j], (0, []))
+        committed = batch.token_ids[j]
+        for tok in fed:
             if n >= len(committed) or committed[n] != tok:
                 break
             n += 1

@@ -40,14 +40,17 @@ class DraftTree:
         assert self.probs is None, "graft: trees with draft probabilities cannot take foreign nodes"
         tokens, parents = list(self.tokens), list(self.parents)
         scores = list(self.scores) if self.scores is not None else [None] * len(tokens)
-        path = path_of(tokens, parents, chain)  # the chain's prefix already in the tree
-        at = path[-1] if path else -1
-        for tok in list(chain)[len(path):]:
-            tokens.append(tok)
-            parents.append(at)
-            scores.append(None)
-            at = len(tokens) - 1
-            path.append(at)
+        kids = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
+        path, at = [], -1
+        for tok in chain:  # along existing nodes while they match, then new ones
+            node = kids.get((at, tok))
+            if node is None:
+                node = len(tokens)
+                tokens.append(tok)
+                parents.append(at)
+                scores.append(None)
+            path.append(node)
+            at = node
         return DraftTree(tokens, parents, None, scores), path
 
     def select(self, keep: Sequence[int]) -> "DraftTree":
@@ -90,19 +93,6 @@ def preorder(parents: Sequence[int], nodes: Sequence[int]) -> list[int]:
         out.append(i)
         stack += kids.get(i, [])[::-1]
     return out
-
-
-def path_of(tokens: Sequence[int], parents: Sequence[int], chain: Sequence[int]) -> list[int]:
-    """Node indices of the longest prefix of `chain` that is a path from the root of the tree
-    (tokens, parents)."""
-    kids = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
-    path, at = [], -1
-    for tok in chain:
-        at = kids.get((at, tok), -2)
-        if at < 0:
-            break
-        path.append(at)
-    return path
 
 
 @dataclass

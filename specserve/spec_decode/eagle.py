@@ -43,10 +43,8 @@ from specserve.spec_decode.quant import draft_lm_head
 DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smollm2-135m"
 CATCH_UP_WINDOW = 32  # most pairs a catch-up runs per request after a gap (a head gated off for
 # many steps): its cache restarts from the last ones, as after a prefix-cache hit
-PROMPT_WINDOW = 64  # most pairs of a request's first pass: the prompt's last ones. Spec-Bench at
-# batch 1 (65 prompts, 13 categories), mean acceptance length: whole prompts 1.708, last 64
-# pairs 1.708, last 32 1.698; whole prompts cost a head pass over every prompt of requests
-# that arrive under load (a 1800-row pass at 16 in flight)
+PROMPT_WINDOW = 64  # most pairs of a request's first pass: the prompt's last ones (Spec-Bench
+# acceptance as with whole prompts, docs/benchmarks.md; a request arriving under load pays less)
 
 
 @dataclass
@@ -118,12 +116,6 @@ class EagleProposer:
         self.cache.pop(request_id, None)
 
     # -- drafting ---------------------------------------------------------------------------------
-    def _top(self, out: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
-        """out: [N, hidden] -> each row's top-k draft log-probabilities and target token ids,
-        as host lists (the first copy waits for the pass, the second finds it done)."""
-        top, ix = self._lm_head(out).float().log_softmax(-1).topk(self.topk, -1)
-        return top.tolist(), (self.d2t[ix] if self.d2t is not None else ix).tolist()
-
     def _pass(self, feats, ids, positions, segments) -> torch.Tensor:
         """One head pass over the rows of several requests -> outputs [N, hidden]."""
         ids_pos = int_tensor([ids, positions], self.device)
@@ -158,11 +150,8 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:
-        ready = []
-        for j, (rid, tokens) in enumerate(zip(batch.request_ids, batch.token_ids)):
-            c = self.cache.get(rid)
-            if c is not None and len(tokens) - 1 - c.base >= 1 and len(c.feats) >= len(tokens) - 1 - c.base:
-                ready.append(j)
+        ready = [j for j, (rid, tokens) in enumerate(zip(batch.request_ids, batch.token_ids))
+                 if (c := self.cache.get(rid)) is not None and 1 <= len(tokens) - 1 - c.base <= len(c.feats)]
         out: list[DraftTree | None] = [None] * len(batch.request_ids)
         if not ready:
             return out
@@ -210,7 +199,8 @@ class EagleProposer:
         log q(child); each request's next frontier is its k best new nodes worth expanding.
         outs: [sum of parents, hidden], the parents' head outputs in order."""
         k = self.topk
-        lp_l, tok_l = self._top(outs)  # [P][k]: one synchronisation per depth
+        top, ix = self._lm_head(outs).float().log_softmax(-1).topk(k, -1)  # [P, k] draft log q, ids
+        lp_l, tok_l = top.tolist(), (self.d2t[ix] if self.d2t is not None else ix).tolist()  # one sync
         at = 0
         for g, ps in zip(grow, parents):
             start = len(g.tokens)

@@ -172,9 +172,3 @@ class EagleHead(nn.Module):
             sin = sin.view(*positions.shape, 1, -1)
         return self.layers[0](x, cos, sin, past_k, past_v, mask, segments)
 
-
-def head_arch_from_target(target: ModelArch) -> ModelArch:
-    """The default head shape for a target: the target's own layer shape, one layer."""
-    from dataclasses import replace
-
-    return replace(target, num_layers=1)

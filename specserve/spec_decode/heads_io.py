@@ -24,6 +24,14 @@ import torch
 from specserve.model.arch import ModelArch
 
 
+def _read(model_dir: Path | str, names: tuple[str, ...], prefix: str):
+    """-> (config.json as a dict, the first weights file of `names` without `prefix`, d2t)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    state = {k.removeprefix(prefix): v for k, v in read_weights(Path(model_dir), names).items()}
+    d2t = state.pop("d2t", None)
+    return cfg, state, (d2t.long() if d2t is not None else None)
+
+
 def read_weights(model_dir: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     for name in names:
         path = Path(model_dir) / name
@@ -46,15 +54,9 @@ def load_eagle(model_dir: Path | str, target: ModelArch, max_positions: int = 81
     """-> (EagleHead in float32 on CPU, d2t int64 [N] or None, embed_tokens [V, hidden] or None)."""
     from specserve.spec_decode.eagle_head import EagleHead
 
-    model_dir = Path(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg.setdefault("model_type", "llama")
-    cfg.setdefault("vocab_size", target.vocab_size)
-    arch = ModelArch.from_dict(cfg)
+    cfg, state, d2t = _read(model_dir, ("model.safetensors", "pytorch_model.bin"), "model.")
+    arch = ModelArch.from_dict({"model_type": "llama", "vocab_size": target.vocab_size, **cfg})
     _check_hidden(arch.hidden_size, target, "the EAGLE head's layers")
-    state = read_weights(model_dir, ("model.safetensors", "pytorch_model.bin"))
-    state = {k.removeprefix("model."): v for k, v in state.items()}
-    d2t = state.pop("d2t", None)
     embed = state.pop("embed_tokens.weight", None)
     state.pop("lm_head.weight", None)  # drafts use the target's LM head
     head = EagleHead(arch, max_positions, fc_bias="fc.bias" in state,
@@ -63,19 +65,15 @@ def load_eagle(model_dir: Path | str, target: ModelArch, max_positions: int = 81
     if missing or unexpected:
         raise ValueError(f"speculative_config: EAGLE checkpoint mismatch: missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]}")
-    return head.float().eval(), (d2t.long() if d2t is not None else None), embed
+    return head.float().eval(), d2t, embed
 
 
 def load_medusa(model_dir: Path | str, target: ModelArch):
     """-> (MedusaHeads in float32, d2t or None). Accepts the public Medusa layout."""
     from specserve.spec_decode.medusa import MedusaHeads
 
-    model_dir = Path(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    state = read_weights(model_dir, ("medusa_lm_head.safetensors", "medusa_lm_head.pt",
-                                     "model.safetensors"))
-    state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
-    d2t = state.pop("d2t", None)
+    cfg, state, d2t = _read(model_dir, ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors"),
+                            "medusa_head.")
     num_heads = int(cfg.get("medusa_num_heads", 1 + max(int(k.split(".")[0]) for k in state)))
     num_layers = int(cfg.get("medusa_num_layers", 1))
     own_lm_head = f"0.{num_layers}.weight" in state
@@ -84,4 +82,4 @@ def load_medusa(model_dir: Path | str, target: ModelArch):
     vocab = state[f"0.{num_layers}.weight"].shape[0] if own_lm_head else 0
     heads = MedusaHeads(num_heads, num_layers, hidden, vocab)
     heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    return heads.float().eval(), (d2t.long() if d2t is not None else None)
+    return heads.float().eval(), d2t

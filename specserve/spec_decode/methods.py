@@ -64,10 +64,7 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
         lookup = NgramProposer(chain, config.prompt_lookup_min, config.prompt_lookup_max)
     adaptive = config.extra.get("adaptive", True)
     max_drafts = (k if proposer is not None else 0) + chain
-    cost = None
-    if adaptive:
-        rows = min(scheduler_config.max_num_batched_tokens, 64)
-        cost = StepCostModel.measure(runner, kv, rows)
+    cost = StepCostModel.measure(runner, kv, min(scheduler_config.max_num_batched_tokens, 64)) if adaptive else None
     policy = SpecPolicy(cost, max(chain, k, 1), adaptive, config.extra.get("min_draft_prob"))
     return SpecDecoder(runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens,
                        proposer, lookup, policy, max_drafts)

@@ -126,10 +126,6 @@ class SpecPolicy:
     def new_state(self) -> RequestState:
         return RequestState(Rates(np.zeros(self.max_depth), np.zeros(self.max_depth), 0.8))
 
-    def observe_unused(self, state: RequestState) -> None:
-        """The per-request proposer drafted, but the selection kept none of it: no gain."""
-        state.gate.gain *= 0.7
-
     # -- prices ----------------------------------------------------------------------------------
     def plain_rate(self, batch: int) -> float:
         return batch / self.cost.step_time(batch, batch)
@@ -226,7 +222,7 @@ class SpecPolicy:
         """A verify result: `path` are the accepted nodes of `tree` (as verified)."""
         on_path = set(path)
         reached = on_path | {-1}
-        chain_depth = {node: d + 1 for d, node in enumerate(chain_nodes)}
+        chain_depth = {node: d for d, node in enumerate(chain_nodes)}  # depth - 1 of each lookup node
         drafted_gain = drafted_rows = 0
         for i, p in enumerate(tree.parents):
             ok = i in on_path
@@ -235,8 +231,8 @@ class SpecPolicy:
                 drafted_rows += 1
                 drafted_gain += ok
             if i in chain_depth and p in reached:
-                state.lookup.observe(chain_depth[i] - 1, ok)
-                self.lookup.observe(chain_depth[i] - 1, ok)
+                state.lookup.observe(chain_depth[i], ok)
+                self.lookup.observe(chain_depth[i], ok)
         if state.drafted:
             g = state.gate
             g.gain = 0.7 * g.gain + 0.3 * drafted_gain

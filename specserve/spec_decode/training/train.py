@@ -326,7 +326,9 @@ def run(args: argparse.Namespace) -> None:
     # 3. model, optimiser, checkpoint
     report = None  # logs the held-out agreement by depth (eagle)
     if args.method == "eagle":
-        from specserve.spec_decode.eagle_head import EagleHead, head_arch_from_target
+        from dataclasses import replace
+
+        from specserve.spec_decode.eagle_head import EagleHead
 
         if args.init:
             from specserve.spec_decode.heads_io import load_eagle
@@ -334,7 +336,7 @@ def run(args: argparse.Namespace) -> None:
             model = load_eagle(args.init, arch, args.max_model_len + 64)[0]
             log(f"initialised from {args.init}")
         else:
-            model = EagleHead(head_arch_from_target(arch), args.max_model_len + 64)
+            model = EagleHead(replace(arch, num_layers=1), args.max_model_len + 64)  # the target's layer shape
 
         def loss_fn(model, batch, lm_sub, t2d, noise):
             return _eagle_loss(model, batch, lm_sub, t2d, noise, args.unroll)
