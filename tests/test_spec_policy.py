@@ -113,6 +113,20 @@ def test_probes_stay_within_the_others_slow_down_budget():
     assert policy.select(1, trees[:1], values[:1], [True], 4096) == [[0]]
 
 
+def test_a_new_request_starts_from_what_drafting_gave_the_others():
+    """Under load a row costs much: a head that has accepted little for earlier requests does
+    not draft (nor run its first pass) for a new one until probed; with nothing known, it does."""
+    policy = SpecPolicy(model(lambda r: 0.05 + 0.002 * r, per_request=0.004), max_depth=4)
+    policy.draft_cost.update(64, 0.05)
+    assert policy.draft_pays(policy.new_state(), 64, 64)  # nothing known yet: 1 token per step
+    for _ in range(60):  # earlier requests: their drafts were accepted one time in five
+        state = policy.new_state()
+        state.drafted = True
+        policy.observe(state, chain_tree(2, 0.5), [0] if _ % 5 == 0 else [], [])
+    assert policy.gain < 0.4 and not policy.draft_pays(policy.new_state(), 64, 64)
+    assert policy.draft_pays(policy.new_state(), 1, 1)  # alone, rows are cheap enough
+
+
 def test_a_head_that_does_not_pay_is_gated_off_and_probed():
     policy = SpecPolicy(model(lambda r: 0.05 + 0.001 * r), max_depth=4)
     policy.draft_cost.update(1, 0.2)  # a head pass costs four target steps

@@ -22,7 +22,10 @@ tokens in t(B, B + n) seconds.
     later than without speculation.
   * `draft_pays`: a proposer with a cost per request (a head, a draft model) drafts for a
     request only while its expected accepted tokens pay for its share of the drafting time
-    and its rows; otherwise the request is probed again after doubling intervals.
+    and its rows; otherwise the request is probed again after doubling intervals. A new
+    request starts from what drafting has given the requests before it (`gain`, 1 when
+    nothing is known yet): under load, where a row costs much, a head that has been accepting
+    little does not run its first pass over every new request's prompt.
   * `min_score`: tree nodes that cannot pay the cheapest row are neither expanded nor returned.
 With "adaptive": false the proposer drafts its maximum and all of it is verified.
 """
@@ -75,8 +78,8 @@ class ScoreCalibration(Rates):
     def values(self, scores: np.ndarray) -> np.ndarray:
         return np.maximum.accumulate(self.rates())[self.bins(scores)]  # never less for a likelier node
 
-    def observe_score(self, score: float, accepted: bool) -> None:
-        self.observe(min(max(bisect.bisect_right(_EDGES, math.exp(score)) - 1, 0), len(SCORE_BINS) - 2), accepted)
+    def observe(self, score: float, accepted: bool) -> None:  # by score, not by bin
+        super().observe(min(max(bisect.bisect_right(_EDGES, math.exp(score)) - 1, 0), len(SCORE_BINS) - 2), accepted)
 
     def min_score(self, value: float) -> float:
         """The log draft probability from which nodes are worth `value`."""
@@ -88,7 +91,7 @@ class ScoreCalibration(Rates):
 class Gate:
     """One request's drafting switch for a proposer that costs time per request."""
 
-    gain: float = 1.0  # EMA: accepted drafted tokens per drafting step (optimistic start)
+    gain: float = 1.0  # EMA: accepted drafted tokens per drafting step (starts at SpecPolicy.gain)
     rows: float = 2.0  # EMA: verified drafted rows per drafting step
     on: bool = True
     idle: int = 0
@@ -121,10 +124,11 @@ class SpecPolicy:
         self.lookup = Rates(np.ones(max_depth), np.full(max_depth, 2.0), 0.98)  # decoder-wide, by depth
         self.scores = ScoreCalibration()
         self.draft_cost = Curve()  # seconds of a proposer call by requests drafted for
+        self.gain = 1.0  # EMA over every request: accepted drafted tokens per verified drafting step
         self.realized = Realized()  # whole steps, speculating vs plain, by batch size
 
     def new_state(self) -> RequestState:
-        return RequestState(Rates(np.zeros(self.max_depth), np.zeros(self.max_depth), 0.8))
+        return RequestState(Rates(np.zeros(self.max_depth), np.zeros(self.max_depth), 0.8), Gate(self.gain))
 
     # -- prices ----------------------------------------------------------------------------------
     def plain_rate(self, batch: int) -> float:
@@ -227,7 +231,7 @@ class SpecPolicy:
         for i, p in enumerate(tree.parents):
             ok = i in on_path
             if tree.scores is not None and tree.scores[i] is not None:
-                self.scores.observe_score(tree.scores[i], ok)
+                self.scores.observe(tree.scores[i], ok)
                 drafted_rows += 1
                 drafted_gain += ok
             if i in chain_depth and p in reached:
@@ -236,4 +240,5 @@ class SpecPolicy:
         if state.drafted:
             g = state.gate
             g.gain = 0.7 * g.gain + 0.3 * drafted_gain
+            self.gain = 0.95 * self.gain + 0.05 * drafted_gain
             g.rows = 0.7 * g.rows + 0.3 * drafted_rows
