@@ -14,7 +14,7 @@ import pytest
 from specserve.spec_decode.cost_model import (MIN_SAMPLES, PLAIN_SAMPLE_EVERY, PROBE_AFTER, PROBE_RUN, Curve,
                                               Realized, StepCostModel)
 from specserve.spec_decode.draft_tree import DraftTree
-from specserve.spec_decode.policy import FAIRNESS, PROBE_FIRST, SpecPolicy
+from specserve.spec_decode.policy import FAIRNESS, PROBE_FIRST, ScoreCalibration, SpecPolicy
 
 
 def model(f, per_request: float = 0.0, up_to: int = 512) -> StepCostModel:
@@ -111,6 +111,18 @@ def test_probes_stay_within_the_others_slow_down_budget():
     assert 0 < rows < 16 and all(k in ([], [0]) for k in keep)
     assert policy.cost.step_time(16, 16 + rows) <= policy.cost.step_time(16, 16) / (1 - FAIRNESS)
     assert policy.select(1, trees[:1], values[:1], [True], 4096) == [[0]]
+
+
+def test_score_calibration_learns_from_verified_nodes():
+    """Likely nodes that keep being rejected lose their value (down to the next likelier bin's:
+    a likelier node is never worth less); the unlikely bins keep theirs."""
+    cal = ScoreCalibration()
+    before, cut = cal.values(np.log([0.05, 0.9])), cal.min_score(0.8)
+    for _ in range(200):
+        cal.observe(math.log(0.9), False)
+    after = cal.values(np.log([0.05, 0.9]))
+    assert after[1] < before[1] - 0.15 and after[0] == before[0]
+    assert cut == pytest.approx(math.log(0.8)) and cal.min_score(0.8) == 0.0  # no bin is worth 0.8 now
 
 
 def test_a_new_request_starts_from_what_drafting_gave_the_others():

@@ -64,26 +64,25 @@ class Rates:
             self.tried[i] = self.tried[i] * self.decay + 1
 
 
-class ScoreCalibration(Rates):
+class ScoreCalibration:
     """P(scored node on the accepted path) by its draft path probability, in bins."""
 
     def __init__(self, decay: float = 0.998) -> None:
         centers = (SCORE_BINS[:-1] + SCORE_BINS[1:]) / 2
-        super().__init__(centers * 2, np.full(len(centers), 2.0), decay)
-
-    @staticmethod
-    def bins(scores) -> np.ndarray:
-        return np.clip(np.searchsorted(SCORE_BINS, np.exp(scores), "right") - 1, 0, len(SCORE_BINS) - 2)
+        self.by_bin = Rates(centers * 2, np.full(len(centers), 2.0), decay)
 
     def values(self, scores: np.ndarray) -> np.ndarray:
-        return np.maximum.accumulate(self.rates())[self.bins(scores)]  # never less for a likelier node
+        bins = np.clip(np.searchsorted(SCORE_BINS, np.exp(scores), "right") - 1, 0, len(SCORE_BINS) - 2)
+        return np.maximum.accumulate(self.by_bin.rates())[bins]  # never less for a likelier node
 
-    def observe(self, score: float, accepted: bool) -> None:  # by score, not by bin
-        super().observe(min(max(bisect.bisect_right(_EDGES, math.exp(score)) - 1, 0), len(SCORE_BINS) - 2), accepted)
+    def observe(self, score: float, accepted: bool) -> None:
+        """The bin as in `values`, by bisect: one call per verified node, no numpy scalars."""
+        self.by_bin.observe(min(max(bisect.bisect_right(_EDGES, math.exp(score)) - 1, 0), len(SCORE_BINS) - 2),
+                            accepted)
 
     def min_score(self, value: float) -> float:
         """The log draft probability from which nodes are worth `value`."""
-        ok = np.flatnonzero(np.maximum.accumulate(self.rates()) >= value)
+        ok = np.flatnonzero(np.maximum.accumulate(self.by_bin.rates()) >= value)
         return math.log(max(SCORE_BINS[ok[0]], 1e-9)) if len(ok) else 0.0
 
 
