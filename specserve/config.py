@@ -55,7 +55,7 @@ class SchedulerConfig:
 # (the shipped head's best size where rows are nearly free, docs/benchmarks.md), Medusa's
 # whole tree
 DEFAULT_DRAFTS = {"ngram": 8, "draft_model": 4, "eagle": 8, "medusa": 64}
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+SPEC_METHODS = tuple(DEFAULT_DRAFTS)  # ngram, draft_model, eagle, medusa
 # keys of our own, beside vLLM's, and the methods they apply to: "adaptive" (bool, all),
 # "lookup_branch" (int >= 0), "min_draft_prob" (0 <= p < 1: a fixed cut instead of the cost
 # model's), "medusa_tree"; vLLM's "quantization" names the draft head's weights ("auto" |

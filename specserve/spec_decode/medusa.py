@@ -111,9 +111,10 @@ class MedusaProposer:
         self.lm_head, self.d2t = draft_lm_head(self.heads, w, d2t, quantize)  # spec_decode.quant
         if heads.vocab and not quantize:
             self.heads.fuse_lm_heads()
-        self.paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
-        where = {p: i for i, p in enumerate(self.paths)}  # each path as (head, rank, its prefix's index)
-        self.plan = [(len(p) - 1, p[-1], where.get(p[:-1], -1)) for p in self.paths]
+        paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
+        where = {p: i for i, p in enumerate(paths)}  # each path as (head, rank, its prefix's index)
+        self.plan = [(len(p) - 1, p[-1], where.get(p[:-1], -1)) for p in paths]
+        self.width = 1 + max(rank for _, rank, _ in self.plan)  # top-k each head needs
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
 
@@ -134,10 +135,9 @@ class MedusaProposer:
                  if self.last.get(rid, (-1,))[0] == len(toks) - 2]
         if not ready:
             return out
-        width = 1 + max(max(p) for p in self.paths)
         feats = torch.stack([self.last[batch.request_ids[j]][1] for j in ready]).to(self.dtype)
         logp = torch.log_softmax(self.heads.logits(feats, self.lm_head).float(), -1)  # [K, B, V']
-        top_lp, top = logp.topk(width, -1)
+        top_lp, top = logp.topk(self.width, -1)
         top = self.d2t[top] if self.d2t is not None else top
         top_lp, top = top_lp.tolist(), top.tolist()  # one transfer for the batch
         for b, j in enumerate(ready):

@@ -2,9 +2,10 @@
 
 `resolve` turns the default method "auto" into a real one (values are checked when the config
 is made: specserve.config.SpecConfig); `kv_bytes_per_block` is the KV memory a method adds per
-block (a draft model's cache); `make_decoder` builds the SpecDecoder with its proposer, prompt lookup and policy:
-ngram (lookup alone), draft_model (draft_model.DraftModelProposer), eagle (eagle.EagleProposer)
-and medusa (medusa.MedusaProposer), the last two with a grafted lookup chain.
+block (a draft model's cache); `make_decoder` builds the SpecDecoder with its proposer, prompt
+lookup and policy: ngram (lookup alone), draft_model (draft_model.DraftModelProposer), eagle
+(eagle.EagleProposer) and medusa (medusa.MedusaProposer), the last two with a grafted lookup
+chain.
 """
 
 from __future__ import annotations
