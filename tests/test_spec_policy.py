@@ -171,18 +171,35 @@ def test_lookup_values_follow_the_requests_acceptance_by_depth():
 
 
 def test_measured_model_follows_live_steps():
-    cost = StepCostModel({1: 0.05, 2: 0.05, 8: 0.05}, per_request=0.0)
+    cost = StepCostModel({1: 0.05, 2: 0.05, 8: 0.05}, per_request=0.0, plain={4: 0.06})
     for _ in range(40):
         cost.observe(1, 8, 0.10)  # verify steps of 8 rows turn out twice as slow
-        cost.observe(4, 4, 0.09)  # plain steps of 4 requests: 0.04 s on top of their rows
+        cost.observe(4, 4, 0.09)  # plain steps of 4 requests: slower than measured at start
     assert cost.step_time(1, 8) == pytest.approx(0.10, rel=0.05)
-    assert cost.base(4) == pytest.approx(0.09 - cost.rows(4), rel=0.05)
+    assert cost.step_time(4, 4) == pytest.approx(0.09, rel=0.05)
     assert cost.row_price(1, 7) == pytest.approx((0.10 - 0.05) / 7, rel=0.1)
-    for _ in range(40):  # steps with drafts at B = 4 cost 0.03 s more than rows + base predict
-        cost.observe(4, 12, cost.rows(12) + cost.base(4) + 0.03)
-    assert cost.step_time(4, 12) - cost.rows(12) - cost.base(4) == pytest.approx(0.03, rel=0.05)
+    assert cost.step_time(2, 2) == pytest.approx(0.05 + 0.04 / 3, rel=0.05)  # between 1 and 4
+    for _ in range(40):  # each draft row at B = 4 costs 0.004 s more than the rows curve says
+        cost.observe(4, 12, cost.plain_time(4) + cost.rows(12) - cost.rows(4) + 8 * 0.004)
+    assert cost.extra(4) == pytest.approx(0.004, rel=0.05)
+    assert cost.step_time(4, 8) - cost.step_time(4, 4) == pytest.approx(cost.rows(8) - cost.rows(4) + 0.016, rel=0.05)
     assert cost.step_time(4, 4) == pytest.approx(0.09, rel=0.05)  # plain steps are not charged
-    assert cost.step_time(1, 8) == pytest.approx(0.10, rel=0.05)  # nor other batch sizes
+    assert cost.step_time(1, 8) == pytest.approx(0.10, rel=0.05)  # nor one request
+    assert cost.extra(6) == cost.extra(4)  # a batch size without steps with drafts reads the nearest
+    for _ in range(40):  # the rows curve moves (live steps of one request): a step with drafts
+        cost.observe(1, 12, 0.20)  # moves by its rows' share, its plain reference not at all
+    assert cost.step_time(4, 4) == pytest.approx(0.09, rel=0.05)
+
+
+def test_a_batch_size_met_for_a_few_steps_is_judged_by_them():
+    cost = StepCostModel({1: 0.05, 64: 0.05}, per_request=0.01, plain={16: 0.20})
+    assert cost.step_time(8, 8) == pytest.approx(0.05 + 0.15 * 7 / 15)  # interpolated
+    for _ in range(3):  # a load's tail: three plain steps at 8 requests, far cheaper
+        cost.observe(8, 8, 0.08)
+    assert cost.step_time(8, 8) == pytest.approx((0.12 + 3 * 0.08) / 4)  # the prior counts as one step
+    cost.observe(16, 17, 0.18)  # one draft row, a step 20 ms faster than plain (noise):
+    assert cost.extra(16) == 0.0  # 72 draft rows do not become free
+    assert cost.step_time(16, 88) - cost.step_time(16, 16) == pytest.approx(cost.rows(88) - cost.rows(16))
 
 
 def run_realized(gate: Realized, batch: int, steps: int, spec_cost: float, plain_cost: float = 1.0,

@@ -1,10 +1,13 @@
 """The measured cost of a decode step on the machine the engine runs on.
 
 `StepCostModel` predicts the seconds of a decode-only target step of B requests verifying R
-rows (B plus every draft node): t(B, R) = rows(R) + base(B) [+ spec(B) when R > B]. rows(R) is
-measured at engine start on one request and refined by live steps of one request (nearly flat
-where a GEMM over 8 rows costs what one row costs, linear where it costs 8 times as much);
-base(B) and spec(B) are learned from live steps at each batch size (`observe`).
+rows (B plus every draft node): t(B, R) = plain(B) [+ rows(R) - rows(B) + (R - B) extra(B)
+when R > B]. rows(R) is measured at engine start on one request and refined by live steps of
+one request (nearly flat where a GEMM over 8 rows costs what one row costs, linear where it
+costs 8 times as much); plain(B) is measured at start at a few batch sizes, then by live plain
+steps at each (interpolated between them where none ran yet); extra(B), what a draft row costs
+beyond the curve, is learned from live steps with drafts (`observe`). A step with drafts is
+always predicted against the plain step of its own B, so the two move together.
 
 `Realized` checks the model's decisions against the wall clock: per batch-size bucket, whole
 steps with speculation against plain ones, in seconds per token over the model's plain step
@@ -29,7 +32,7 @@ logger = logging.getLogger("specserve.spec_decode")
 
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 CALIBRATION_CONTEXT = 128
-PLAIN_EVERY = 16  # steps with drafts at a batch size between two plain ones (base(B) refresh)
+PLAIN_EVERY = 16  # steps with drafts at a batch size between two plain ones (plain(B) refresh)
 PROBE_AFTER, PROBE_MAX, PROBE_RUN = 32, 128, 6  # plain steps before a speculative probe run; its steps
 MIN_SAMPLES = 8  # speculative samples at a batch size before it can be judged slower
 PLAIN_SAMPLE_EVERY = 64  # steps with speculation between two plain samples of Realized
@@ -90,46 +93,76 @@ class Curve:
 
 
 class StepCostModel:
-    def __init__(self, rows: dict[int, float], per_request: float = 0.0) -> None:
-        """rows: seconds of a step of one request computing R rows, by R; per_request: the
-        prior extra seconds of each further request in a plain step."""
+    def __init__(self, rows: dict[int, float], per_request: float = 0.0,
+                 plain: dict[int, float] | None = None) -> None:
+        """rows: seconds of a step of one request computing R rows, by R; plain: seconds of
+        plain steps of B requests, by B, as measured at start; per_request: the prior extra
+        seconds of each further request past the largest B measured."""
         self.rows = Curve(rows)
         self.per_request = max(0.0, per_request)
-        self._base: dict[int, float] = {1: 0.0}
-        self._spec: dict[int, float] = {}  # batch -> what its steps with drafts cost beyond the model
+        self._plain: dict[int, list[float]] = {b: [t, 1] for b, t in (plain or {}).items() if b > 1}
+        self._extra: dict[int, list[float]] = {}  # batch -> decayed sums [seconds beyond the curve, draft rows]
         self._since_plain: dict[int, int] = {}  # batch -> its steps with drafts since its last plain one
 
-    def base(self, batch: int) -> float:
-        return self._base.get(batch, self.per_request * (batch - 1))
+    def plain_time(self, batch: int) -> float:
+        """Seconds of a plain step of `batch` requests: measured at that batch size, else
+        interpolated between the nearest ones measured (one request: the rows curve)."""
+        if batch in self._plain:
+            return self._plain[batch][0]
+        below = [b for b in self._plain if b < batch]
+        above = [b for b in self._plain if b > batch]
+        lo = max(below, default=1)
+        t_lo = self._plain[lo][0] if lo > 1 else self.rows(1)
+        if not above:
+            return t_lo + self.rows(batch) - self.rows(lo) + self.per_request * (batch - lo)
+        hi = min(above)
+        return t_lo + (self._plain[hi][0] - t_lo) * (batch - lo) / (hi - lo)
+
+    def extra(self, batch: int) -> float:
+        """Seconds each draft row adds at this batch size beyond what the rows curve says
+        (longer contexts than at calibration, attention of draft rows), never less than
+        nothing; where no step with drafts ran at this size yet, the nearest size's."""
+        sums = self._extra_sums(batch)
+        return max(0.0, sums[0] / sums[1]) if sums else 0.0
+
+    def _extra_sums(self, batch: int) -> list[float] | None:
+        if batch == 1 or not self._extra:
+            return None
+        return self._extra.get(batch) or self._extra[min(self._extra, key=lambda b: (abs(b - batch), -b))]
 
     def step_time(self, batch: int, rows: int) -> float:
         """Predicted seconds of a decode step of `batch` requests verifying rows - batch drafts."""
-        return self.rows(rows) + self.base(batch) + (self._spec.get(batch, 0.0) if rows > batch else 0.0)
+        return float(self.step_times(batch, np.array([rows]))[0]) if rows > batch else self.plain_time(batch)
 
     def step_times(self, batch: int, rows: np.ndarray) -> np.ndarray:
-        """step_time(batch, r) for every r > batch of an array."""
-        return self.rows.many(rows) + self.base(batch) + self._spec.get(batch, 0.0)
+        """step_time(batch, r) for every r > batch of an array: the plain step plus what the
+        draft rows add."""
+        return self.plain_time(batch) + self.rows.many(rows) - self.rows(batch) + self.extra(batch) * (rows - batch)
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
         """A live decode-only step (every request computes one committed token plus drafts).
-        One request: the rows curve itself. Several: plain steps teach base(B); steps with
-        drafts teach what they cost at this B beyond rows(R) + base(B) (contexts longer than
-        at calibration, attention of the draft rows, a stale base), so a batch size is judged
-        by its own steps and never moves the curve other batch sizes read."""
+        One request: the rows curve itself. Several: plain steps are measured as they are;
+        steps with drafts teach what a draft row costs at this B beyond the rows curve. Both
+        are judged against the plain step of the same B, so a change of the rows curve (live
+        steps of one request) moves a prediction and its plain reference alike."""
         if batch == 1:
             self.rows.update(rows, seconds)
-        elif rows <= batch:
-            self._base[batch] = 0.8 * self.base(batch) + 0.2 * (seconds - self.rows(rows))
+            return
+        predicted = self.step_time(batch, rows)
+        seconds = min(seconds, 3 * predicted)  # a stall is not the machine
+        if rows <= batch:
+            _blend(self._plain, batch, predicted, seconds)
             self._since_plain[batch] = 0
         else:
-            extra = seconds - self.rows(rows) - self.base(batch)
-            self._spec[batch] = 0.8 * self._spec.get(batch, 0.0) + 0.2 * extra
+            added = seconds - self.plain_time(batch) - (self.rows(rows) - self.rows(batch))
+            beyond, drafts = self._extra_sums(batch) or (0.0, 0.0)  # sums, so that one draft
+            self._extra[batch] = [0.8 * beyond + added, 0.8 * drafts + rows - batch]  # row's noise is no rate
             self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
 
     def wants_plain(self, batch: int) -> bool:
-        """Whether the next step of `batch` requests should be plain, to measure base(B) at
+        """Whether the next step of `batch` requests should be plain, to measure plain(B) at
         today's contexts: after PLAIN_EVERY steps with drafts at B (or at once, when B has
-        never run plain). Without it base(B) keeps the calibration's prior, which is off by
+        never run plain). Without it plain(B) keeps the calibration's prior, which is off by
         as much as speculation gains at high load."""
         return batch > 1 and self._since_plain.get(batch, PLAIN_EVERY) >= PLAIN_EVERY
 
@@ -150,7 +183,7 @@ class StepCostModel:
         return StepCostModel(*_CALIBRATED[key])
 
     @staticmethod
-    def _calibrate(runner, kv, max_rows: int) -> tuple[dict[int, float], float]:
+    def _calibrate(runner, kv, max_rows: int) -> tuple[dict[int, float], float, dict[int, float]]:
         sizes = [r for r in CALIBRATION_ROWS if r <= max_rows]
         start = time.perf_counter()
         print(f"[specserve] measuring step costs on {runner.device} (rows {sizes[0]}..{sizes[-1]}) ...",
@@ -167,7 +200,15 @@ class StepCostModel:
         print(f" done in {time.perf_counter() - start:.1f} s: one row {1e3 * rows[1]:.1f} ms, "
               f"{most} rows {1e3 * rows[most]:.1f} ms, "
               f"+{1e3 * model.per_request:.2f} ms per request", flush=True)
-        return rows, model.per_request
+        return rows, model.per_request, plain
+
+
+def _blend(table: dict[int, list[float]], key: int, prior: float, value: float) -> None:
+    """An average of the prior (counted as one sample) and the samples so far, then an EMA
+    (weight 0.2): a batch size met for a few steps only (a load's tail) is judged by them."""
+    mean, n = table.get(key, [prior, 1])
+    w = max(0.2, 1 / (n + 1))
+    table[key] = [(1 - w) * mean + w * value, n + 1]
 
 
 @dataclass
