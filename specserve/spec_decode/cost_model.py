@@ -109,54 +109,48 @@ class StepCostModel:
         interpolated between the nearest ones measured (one request: the rows curve)."""
         if batch in self._plain:
             return self._plain[batch][0]
-        below = [b for b in self._plain if b < batch]
-        above = [b for b in self._plain if b > batch]
-        lo = max(below, default=1)
+        lo = max((b for b in self._plain if b < batch), default=1)
+        hi = min((b for b in self._plain if b > batch), default=0)
         t_lo = self._plain[lo][0] if lo > 1 else self.rows(1)
-        if not above:
+        if not hi:
             return t_lo + self.rows(batch) - self.rows(lo) + self.per_request * (batch - lo)
-        hi = min(above)
         return t_lo + (self._plain[hi][0] - t_lo) * (batch - lo) / (hi - lo)
 
     def extra(self, batch: int) -> float:
         """Seconds each draft row adds at this batch size beyond what the rows curve says
         (longer contexts than at calibration, attention of draft rows), never less than
         nothing; where no step with drafts ran at this size yet, the nearest size's."""
-        sums = self._extra_sums(batch)
-        return max(0.0, sums[0] / sums[1]) if sums else 0.0
-
-    def _extra_sums(self, batch: int) -> list[float] | None:
         if batch == 1 or not self._extra:
-            return None
-        return self._extra.get(batch) or self._extra[min(self._extra, key=lambda b: (abs(b - batch), -b))]
+            return 0.0
+        beyond, drafts = self._extra.get(batch) or self._extra[min(self._extra, key=lambda b: (abs(b - batch), -b))]
+        return max(0.0, beyond / drafts)
 
     def step_time(self, batch: int, rows: int) -> float:
         """Predicted seconds of a decode step of `batch` requests verifying rows - batch drafts."""
         return float(self.step_times(batch, np.array([rows]))[0]) if rows > batch else self.plain_time(batch)
 
     def step_times(self, batch: int, rows: np.ndarray) -> np.ndarray:
-        """step_time(batch, r) for every r > batch of an array: the plain step plus what the
-        draft rows add."""
+        """step_time(batch, r) for every r > batch of an array."""
         return self.plain_time(batch) + self.rows.many(rows) - self.rows(batch) + self.extra(batch) * (rows - batch)
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
-        """A live decode-only step (every request computes one committed token plus drafts).
-        One request: the rows curve itself. Several: plain steps are measured as they are;
-        steps with drafts teach what a draft row costs at this B beyond the rows curve. Both
-        are judged against the plain step of the same B, so a change of the rows curve (live
-        steps of one request) moves a prediction and its plain reference alike."""
+        """A live decode-only step. One request: the rows curve itself. Several: plain steps
+        measure plain(B) (the prior counted as one step, then the mean of the steps, then an
+        EMA: a batch size met for a few steps, a load's tail, is judged by them); steps with
+        drafts teach extra(B), as decayed sums so that one draft row's noise is no rate."""
         if batch == 1:
             self.rows.update(rows, seconds)
             return
         predicted = self.step_time(batch, rows)
         seconds = min(seconds, 3 * predicted)  # a stall is not the machine
         if rows <= batch:
-            _blend(self._plain, batch, predicted, seconds)
-            self._since_plain[batch] = 0
+            mean, n = self._plain.get(batch, (predicted, 1))
+            w = max(0.2, 1 / (n + 1))
+            self._plain[batch], self._since_plain[batch] = [(1 - w) * mean + w * seconds, n + 1], 0
         else:
             added = seconds - self.plain_time(batch) - (self.rows(rows) - self.rows(batch))
-            beyond, drafts = self._extra_sums(batch) or (0.0, 0.0)  # sums, so that one draft
-            self._extra[batch] = [0.8 * beyond + added, 0.8 * drafts + rows - batch]  # row's noise is no rate
+            beyond, drafts = self._extra.get(batch, (self.extra(batch), 1.0))  # a new size: the nearest's rate
+            self._extra[batch] = [0.8 * beyond + added, 0.8 * drafts + rows - batch]
             self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
 
     def wants_plain(self, batch: int) -> bool:
@@ -201,14 +195,6 @@ class StepCostModel:
               f"{most} rows {1e3 * rows[most]:.1f} ms, "
               f"+{1e3 * model.per_request:.2f} ms per request", flush=True)
         return rows, model.per_request, plain
-
-
-def _blend(table: dict[int, list[float]], key: int, prior: float, value: float) -> None:
-    """An average of the prior (counted as one sample) and the samples so far, then an EMA
-    (weight 0.2): a batch size met for a few steps only (a load's tail) is judged by them."""
-    mean, n = table.get(key, [prior, 1])
-    w = max(0.2, 1 / (n + 1))
-    table[key] = [(1 - w) * mean + w * value, n + 1]
 
 
 @dataclass
