@@ -126,8 +126,11 @@ class StepCostModel:
         return max(0.0, beyond / drafts)
 
     def step_time(self, batch: int, rows: int) -> float:
-        """Predicted seconds of a decode step of `batch` requests verifying rows - batch drafts."""
-        return float(self.step_times(batch, np.array([rows]))[0]) if rows > batch else self.plain_time(batch)
+        """Predicted seconds of a decode step of `batch` requests verifying rows - batch drafts
+        (scalar: called per request per step, where a numpy array costs more than the sum)."""
+        if rows <= batch:
+            return self.plain_time(batch)
+        return self.plain_time(batch) + self.rows(rows) - self.rows(batch) + self.extra(batch) * (rows - batch)
 
     def step_times(self, batch: int, rows: np.ndarray) -> np.ndarray:
         """step_time(batch, r) for every r > batch of an array."""
