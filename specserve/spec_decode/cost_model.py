@@ -120,10 +120,14 @@ class StepCostModel:
         """Seconds each draft row adds at this batch size beyond what the rows curve says
         (longer contexts than at calibration, attention of draft rows), never less than
         nothing; where no step with drafts ran at this size yet, the nearest size's."""
+        beyond, drafts = self._extra_sums(batch)
+        return max(0.0, beyond / drafts) if drafts else 0.0
+
+    def _extra_sums(self, batch: int) -> tuple[float, float]:
+        """extra(B)'s decayed sums; a batch size without steps with drafts starts from the nearest one's."""
         if batch == 1 or not self._extra:
-            return 0.0
-        beyond, drafts = self._extra.get(batch) or self._extra[min(self._extra, key=lambda b: (abs(b - batch), -b))]
-        return max(0.0, beyond / drafts)
+            return 0.0, 0.0
+        return self._extra.get(batch) or self._extra[min(self._extra, key=lambda b: (abs(b - batch), -b))]
 
     def step_time(self, batch: int, rows: int) -> float:
         """Predicted seconds of a decode step of `batch` requests verifying rows - batch drafts
@@ -152,7 +156,7 @@ class StepCostModel:
             self._plain[batch], self._since_plain[batch] = [(1 - w) * mean + w * seconds, n + 1], 0
         else:
             added = seconds - self.plain_time(batch) - (self.rows(rows) - self.rows(batch))
-            beyond, drafts = self._extra.get(batch, (self.extra(batch), 1.0))  # a new size: the nearest's rate
+            beyond, drafts = self._extra_sums(batch)
             self._extra[batch] = [0.8 * beyond + added, 0.8 * drafts + rows - batch]
             self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
 
