@@ -6,11 +6,18 @@ import numpy as np
 import pytest
 
 from specserve import SamplingParams
-from specserve.spec_decode.ngram import NgramIndex, ngram_lookup
+from specserve.spec_decode.ngram import NgramIndex
 from tests.spec_helpers import (HIT_PROMPTS, MAX_TOKENS, MISS_PROMPTS, check_prefix_cache,
                                 greedy_baseline, set_num_drafts, token_ids)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """One lookup without a kept index."""
+    index = NgramIndex(min_n, max_n)
+    index.sync(tokens)
+    return index.lookup(tokens, k)
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,12 @@ class KVCacheManager:
             self._rebuild_hashes(req, len(hits))
         req.block_ids += self.pool.allocate(self.blocks_needed(req, num_new_tokens))
 
+    def try_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """allocate() when the slots fit (a draft model's next verify slots); False otherwise."""
+        if ok := self.can_allocate(req, num_new_tokens):
+            self.allocate(req, num_new_tokens)
+        return ok
+
     def free(self, req: Request) -> None:
         self.pool.release(req.block_ids[::-1])
         req.block_ids = []

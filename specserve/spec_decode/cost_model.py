@@ -55,11 +55,9 @@ class Curve:
         i = bisect.bisect_left(self.x, x)
         if i < len(self.x) and self.x[i] == x:
             return self.y[i]
-        if i == 0:
-            return self.y[0] * x / self.x[0]  # through the origin below the first point
+        if i == 0 or len(self.x) == 1:  # below the first point (or a single one): through the origin
+            return self.y[0] * x / self.x[0]
         if i == len(self.x):  # past the last point: its slope
-            if len(self.x) == 1:
-                return self.y[0] * x / self.x[0]
             slope = (self.y[-1] - self.y[-2]) / (self.x[-1] - self.x[-2])
             return self.y[-1] + max(0.0, slope) * (x - self.x[-1])
         x0, x1, y0, y1 = self.x[i - 1], self.x[i], self.y[i - 1], self.y[i]

@@ -40,10 +40,8 @@ class SpecDecoder:
     def __init__(self, runner, kv, stats, max_model_len: int, max_num_batched_tokens: int,
                  proposer: Proposer | None = None, lookup: NgramProposer | None = None,
                  policy: SpecPolicy | None = None, max_drafts: int = 0) -> None:
-        self.runner, self.kv, self.stats = runner, kv, stats
-        self.vocab_size = runner.arch.vocab_size
-        self.max_model_len = max_model_len
-        self.max_rows = max_num_batched_tokens
+        self.runner, self.kv, self.stats, self.vocab_size = runner, kv, stats, runner.arch.vocab_size
+        self.max_model_len, self.max_rows = max_model_len, max_num_batched_tokens
         self.proposer, self.lookup = proposer, lookup
         self.policy = policy or SpecPolicy(None, 1, adaptive=False)
         self.max_drafts = max_drafts if (proposer or lookup) else 0
@@ -54,10 +52,6 @@ class SpecDecoder:
         self._step: tuple[bool, int, int] = (False, 0, 0)  # decode only, requests, tokens emitted
         self.log = SpecLog()  # acceptance every few seconds while drafting
         self.grammars: Grammars | None = None  # set by the engine at the first structured request
-
-    @property
-    def speculating(self) -> bool:
-        return self.max_drafts > 0
 
     def _state(self, req: Request) -> RequestState:
         state = self.states.get(req.request_id)
@@ -152,7 +146,7 @@ class SpecDecoder:
             self.runner.move_kv(src, dst)
 
     def _learn(self, req: Request, tree: DraftTree, path: list[int]) -> None:
-        if not self.speculating:
+        if not self.max_drafts:  # not speculating
             return
         state = self._state(req)
         if state.drafted and not len(tree):  # drafted, but none of it was worth verifying: no gain
@@ -208,12 +202,11 @@ class SpecDecoder:
         """Drafts for the next step; called last in an engine step that began at `step_start`
         (perf_counter), so that Realized times the engine's own steps only, not whatever runs
         between them (another engine, an idle server)."""
-        if not self.speculating:
-            return
-        try:
-            self._propose(running, step_start)
-        finally:
-            self._busy += time.perf_counter() - step_start
+        if self.max_drafts:  # speculating
+            try:
+                self._propose(running, step_start)
+            finally:
+                self._busy += time.perf_counter() - step_start
 
     def _propose(self, running: list[Request], step_start: float) -> None:
         batch = len(running)
@@ -258,15 +251,16 @@ class SpecDecoder:
         chosen = [j for j, s in enumerate(states) if self.policy.draft_pays(s, batch, self._num_drafted)]
         probes = [not states[j].gate.on and j in chosen for j in range(len(eligible))]
         trees: list[DraftTree | None] = [None] * len(eligible)
+        ks = [min(self.max_drafts, room) for _, room in eligible]
         if self.proposer.name == "draft_model":  # its KV goes to the slots of the next verify step
-            chosen = [j for j in chosen if self._reserve(*eligible[j])]
+            chosen = [j for j in chosen if self.kv.try_allocate(eligible[j][0], 1 + ks[j])]
         self._num_drafted = max(1, len(chosen))
         if not chosen:
             return trees, probes
         reqs = [eligible[j][0] for j in chosen]
         batch_in = ProposeBatch(
             [r.request_id for r in reqs], [r.all_token_ids for r in reqs],
-            [min(self.max_drafts, eligible[j][1]) for j in chosen], self.policy.min_score(batch),
+            [ks[j] for j in chosen], self.policy.min_score(batch),
             [r.params for r in reqs], [r.sampling_seed for r in reqs], [r.block_ids for r in reqs],
             [r.num_computed_tokens for r in reqs])
         start = time.perf_counter()
@@ -277,13 +271,6 @@ class SpecDecoder:
             trees[j] = tree
             states[j].drafted = True
         return trees, probes
-
-    def _reserve(self, req: Request, room: int) -> bool:
-        k = min(self.max_drafts, room)
-        if not self.kv.can_allocate(req, 1 + k):
-            return False
-        self.kv.allocate(req, 1 + k)
-        return True
 
     def _select(self, eligible, states, trees, probes, batch: int) -> None:
         cands, values, probe, where = [], [], [], []

@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from specserve.config import DEFAULT_DRAFTS, DEFAULT_MODEL, SpecConfig
+from specserve.spec_decode.cost_model import StepCostModel
+from specserve.spec_decode.ngram import NgramProposer
+from specserve.spec_decode.policy import SpecPolicy
 
 LOOKUP_BRANCH = 4  # default lookup chain grafted onto trees; chains of up to 4x this are drafted
 
@@ -45,10 +48,6 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
 
     if config.method is None:
         return SpecDecoder(runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens)
-    from specserve.spec_decode.cost_model import StepCostModel
-    from specserve.spec_decode.ngram import NgramProposer
-    from specserve.spec_decode.policy import SpecPolicy
-
     k = config.num_speculative_tokens
     proposer, lookup, chain = None, None, 0
     if config.method == "ngram":

@@ -51,13 +51,6 @@ class NgramIndex:
         return []
 
 
-def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """One lookup without a kept index (tests, tools)."""
-    index = NgramIndex(min_n, max_n)
-    index.sync(tokens)
-    return index.lookup(tokens, k)
-
-
 class NgramProposer:
     """Prompt-lookup chains of at most k tokens per request."""
 
