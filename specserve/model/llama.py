@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels import layer_ops
 from specserve.model.arch import ModelArch
 from specserve.model.attention import AttentionMetadata
 
@@ -38,10 +39,19 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    fused = False  # specserve.kernels.layer_ops for the norm (and the residual add): see finalize_weights
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(s), s) with s = x + residual, or x itself when there is no residual yet."""
+        if self.fused:
+            return layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        total = x if residual is None else x + residual
+        return self(total), total
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -108,15 +118,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
+        self.fused_rotary = False  # see LlamaForCausalLM.finalize_weights
 
     def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata, backend):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        fused = self.fused_rotary and self.q_norm is None
+        if fused:  # q and k lead each row of qkv: rotated in place, in one call
+            layer_ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, *rotary), RotaryEmbedding.apply(k, *rotary)
+        if not fused:
+            q, k = RotaryEmbedding.apply(q, *rotary), RotaryEmbedding.apply(k, *rotary)
         out = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -141,9 +157,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, kv_cache, meta, backend):
+        """-> (this layer's MLP output, the residual stream before it): the next norm adds the
+        two (one call with the fused norm; the same sums as x + attn, x + mlp)."""
+        h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(
+            self.self_attn(h, positions, rotary, kv_cache, meta, backend), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -166,9 +186,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden] (after the last norm)."""
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.table(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, rotary, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, rotary, kv_cache, meta, backend)
+        return self.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
@@ -195,15 +216,22 @@ class LlamaForCausalLM(nn.Module):
         [V, H] nn.Linear layout (measured on the default model's 49k x 576 head, one row), so
         the head keeps a transposed copy. CPU bfloat16: oneDNN is faster with the nn.Linear
         layout, and one-row products go through the many-row GEMM (see `Linear`) so that every
-        row's result is independent of the batch. CUDA: neither.
+        row's result is independent of the batch. CUDA: neither. CPU float32 where our kernels
+        build: the RMS norms with their residual adds and the rotary embedding in one C call
+        each (specserve.kernels.layer_ops; a few rows paid ~20 dispatches per layer for them).
         """
         weight = self.lm_head.weight.detach()
         cpu = weight.device.type == "cpu"
         self.lm_head_t = weight.t().contiguous() if (
             cpu and weight.dtype == torch.float32 and self.lm_head_q is None) else None
+        fused = cpu and weight.dtype == torch.float32 and layer_ops.available()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pad_single_row = cpu and weight.dtype == torch.bfloat16
+            elif isinstance(module, RMSNorm):
+                module.fused = fused
+            elif isinstance(module, Attention):
+                module.fused_rotary = fused
 
     # -- weights --------------------------------------------------------------------------
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,60 @@
+"""A decoder layer's small float32 ops on x86 CPUs, one C call each (`layer_ops.c`).
+
+At a few rows a layer's RMS norms, residual adds and rotary embedding cost PyTorch some twenty
+dispatches of a few microseconds each, more than their arithmetic; here they are three calls
+per layer. `rms_norm` sums the residual in (the same additions as PyTorch's) and normalises
+each row with its own fixed summation order (batch-invariant, not PyTorch's bits); `rotary_`
+computes exactly PyTorch's rotate-half expression (the same bits). Built and loaded by
+specserve.kernels.cbuild; `available()` says whether they can run here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from specserve.kernels.cbuild import Kernel
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, ptr, ctypes.c_int]
+    lib.rms_norm.restype = None
+    lib.rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.rotary.restype = None
+
+
+_kernel = Kernel(Path(__file__).with_name("layer_ops.c"), _declare)
+
+
+def available() -> bool:
+    return _kernel.available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [..., dim] float32; weight: [dim] float32 contiguous -> (norm(s) * weight,
+    s) with s = x + residual (x itself without a residual)."""
+    dim = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if residual is None:
+        total, res, sum_ptr = x, 0, 0
+    else:
+        res = residual.contiguous()
+        total = torch.empty_like(x)
+        res, sum_ptr = res.data_ptr(), total.data_ptr()
+    rows = x.numel() // dim
+    _kernel.lib.rms_norm(x.data_ptr(), res, weight.data_ptr(), rows, dim, eps, sum_ptr, out.data_ptr(),
+                         torch.get_num_threads())
+    return out, total
+
+
+def rotary_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate, in place, the first `heads` heads of each row of x [T, >= heads * head_dim]
+    (float32, unit stride along a row); cos, sin: [T, ..., head_dim / 2] float32 contiguous."""
+    assert x.stride(-1) == 1 and x.shape[-1] >= heads * head_dim
+    _kernel.lib.rotary(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                       torch.get_num_threads())

@@ -1,0 +1,61 @@
+"""A layer's small ops in C (specserve/kernels/layer_ops.c): the rotary embedding gives
+PyTorch's bits, the RMS norm with its residual add matches PyTorch's and gives every row the
+same bits whatever the batch, and the model that uses them decodes as the one that does not."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels import layer_ops
+from specserve.model.llama import Attention, RMSNorm, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not layer_ops.available(), reason="layer_ops kernel unavailable")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 36)])  # 36: half a head is no multiple of 8
+def test_rotary_in_place_is_torch_bits(rows, shape):
+    hq, hkv, d = shape
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=g)
+    cos, sin = torch.randn(rows, 1, d // 2, generator=g), torch.randn(rows, 1, d // 2, generator=g)
+    q = qkv[:, :hq * d].reshape(rows, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].reshape(rows, hkv, d)
+    want_q, want_k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+    got = qkv.clone()
+    layer_ops.rotary_(got, hq + hkv, d, cos, sin)
+    assert torch.equal(got[:, :hq * d].reshape(rows, hq, d), want_q)
+    assert torch.equal(got[:, hq * d:(hq + hkv) * d].reshape(rows, hkv, d), want_k)
+    assert torch.equal(got[:, (hq + hkv) * d:], qkv[:, (hq + hkv) * d:])  # v untouched
+
+
+@pytest.mark.parametrize("dim", [576, 100])
+def test_rms_norm_with_residual(dim):
+    g = torch.Generator().manual_seed(dim)
+    x, res = torch.randn(40, dim, generator=g), torch.randn(40, dim, generator=g)
+    w = torch.randn(dim, generator=g)
+    out, total = layer_ops.rms_norm(x, w, 1e-5, res)
+    assert torch.equal(total, x + res)  # the same additions
+    torch.testing.assert_close(out, F.rms_norm(x + res, (dim,), w, 1e-5), atol=2e-6, rtol=2e-6)
+    alone, same = layer_ops.rms_norm(x, w, 1e-5)
+    assert same is x or torch.equal(same, x)
+    torch.testing.assert_close(alone, F.rms_norm(x, (dim,), w, 1e-5), atol=2e-6, rtol=2e-6)
+    for lo, hi in [(0, 1), (7, 8), (3, 19)]:  # a row's bits do not depend on the rows around it
+        assert torch.equal(layer_ops.rms_norm(x[lo:hi], w, 1e-5, res[lo:hi])[0], out[lo:hi])
+
+
+def test_model_uses_them_on_cpu_float32(make_llm, tiny_model_dir):
+    from specserve import SamplingParams
+
+    llm = make_llm(str(tiny_model_dir), dtype="float32", load_format="dummy", seed=0, speculative_config=None)
+    model = llm.engine.runner.model
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.fused for m in norms)
+    assert all(m.fused_rotary for m in model.modules() if isinstance(m, Attention))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    fused = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, Attention)):
+            m.fused = m.fused_rotary = False
+    plain = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
+    assert fused == plain
