@@ -46,7 +46,8 @@ def build(source_path: Path) -> Path:
     if not compiler:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     source = source_path.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))  # #include "..."
+    digest = hashlib.sha256(source + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"{source_path.stem}-{digest}.so"
     if out.is_file():
         return out

@@ -11,18 +11,11 @@
  * Compiled with -ffp-contract=off (cbuild.FLAGS): no product is fused into a sum.
  */
 #include <immintrin.h>
+#include "simd.h"
 #include <math.h>
 #include <stdint.h>
 
 #define PARALLEL_MIN 32768 /* elements below which one thread does it all (no team wake-up) */
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
 
 static void norm_row(const float *x, const float *res, const float *w, int64_t dim, float eps,
                      float *sum, float *out) {

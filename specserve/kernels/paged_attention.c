@@ -19,19 +19,12 @@
  * exp is a polynomial (exp_ps below): relative error ~2e-7 on the range softmax uses.
  */
 #include <immintrin.h>
+#include "simd.h"
 #include <stdint.h>
 #include <stdlib.h>
 
 #define MAX_GROUP 16 /* query heads per KV head */
 #define MAX_ROWS 16 /* query tokens per request */
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
 
 /* exp(x) for x <= 0 (softmax arguments): 2^n * 2^f, n = round(x / ln 2), f in [-1/2, 1/2],
  * 2^f by its Taylor series in f * ln 2 to the 7th power; below -87 the result is 0. */
