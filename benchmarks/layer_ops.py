@@ -36,7 +36,7 @@ def main() -> None:
 
     from specserve import LLM, SamplingParams
     from specserve.kernels import layer_ops
-    from specserve.model.llama import Attention, RMSNorm
+    from specserve.model.llama import RMSNorm
 
     if not layer_ops.available():
         sys.exit("layer_ops kernel unavailable here (needs x86 AVX2/FMA and a C compiler)")
@@ -46,13 +46,6 @@ def main() -> None:
     if not any(isinstance(m, RMSNorm) and m.fused for m in model.modules()):
         sys.exit(f"the fused ops are not used with dtype {args.dtype} on {llm.engine.runner.device}")
 
-    def use(fused: bool) -> None:
-        for m in model.modules():
-            if isinstance(m, RMSNorm):
-                m.fused = fused
-            elif isinstance(m, Attention):
-                m.fused_rotary = fused
-
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for batch in args.batch:
@@ -60,7 +53,7 @@ def main() -> None:
         outputs: dict[bool, list] = {}
         for rep in range(args.repeats):
             for fused in ((True, False) if rep % 2 == 0 else (False, True)):
-                use(fused)
+                model.use_layer_ops(fused)
                 start = time.perf_counter()
                 out = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(batch)], params)
                 rates[fused].append(batch * args.max_tokens / (time.perf_counter() - start))
@@ -72,7 +65,7 @@ def main() -> None:
                      "identical": same, "requests": batch})
         print(f"batch {batch}: C ops {c:.1f} tok/s, PyTorch ops {t:.1f} tok/s, {c / t:.2f}x; "
               f"identical greedy outputs {same}/{batch}", flush=True)
-    use(True)
+    model.use_layer_ops(True)
     if args.json:
         Path(args.json).write_text(json.dumps({"dtype": args.dtype, "quantization": args.quantization,
                                                "rows": rows}, indent=2))

@@ -40,15 +40,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     dim = x.shape[-1]
     x = x.contiguous()
     out = torch.empty_like(x)
-    if residual is None:
-        total, res, sum_ptr = x, 0, 0
-    else:
-        res = residual.contiguous()
-        total = torch.empty_like(x)
-        res, sum_ptr = res.data_ptr(), total.data_ptr()
-    rows = x.numel() // dim
-    _kernel.lib.rms_norm(x.data_ptr(), res, weight.data_ptr(), rows, dim, eps, sum_ptr, out.data_ptr(),
-                         torch.get_num_threads())
+    res = None if residual is None else residual.contiguous()  # kept alive through the call
+    total = x if res is None else torch.empty_like(x)
+    _kernel.lib.rms_norm(x.data_ptr(), 0 if res is None else res.data_ptr(), weight.data_ptr(), x.numel() // dim,
+                         dim, eps, 0 if res is None else total.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out, total
 
 

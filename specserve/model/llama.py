@@ -39,7 +39,7 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    fused = False  # specserve.kernels.layer_ops for the norm (and the residual add): see finalize_weights
+    fused = False  # specserve.kernels.layer_ops for `add`: see LlamaForCausalLM.use_layer_ops
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -118,12 +118,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
-        self.fused_rotary = False  # see LlamaForCausalLM.finalize_weights
+        self.fused_rotary = False  # see LlamaForCausalLM.use_layer_ops
 
     def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata, backend):
         qkv = self.qkv_proj(x)
-        fused = self.fused_rotary and self.q_norm is None
-        if fused:  # q and k lead each row of qkv: rotated in place, in one call
+        if self.fused_rotary:  # q and k lead each row of qkv: rotated in place, in one call
             layer_ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -131,7 +130,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not fused:
+        if not self.fused_rotary:
             q, k = RotaryEmbedding.apply(q, *rotary), RotaryEmbedding.apply(k, *rotary)
         out = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -224,14 +223,20 @@ class LlamaForCausalLM(nn.Module):
         cpu = weight.device.type == "cpu"
         self.lm_head_t = weight.t().contiguous() if (
             cpu and weight.dtype == torch.float32 and self.lm_head_q is None) else None
-        fused = cpu and weight.dtype == torch.float32 and layer_ops.available()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pad_single_row = cpu and weight.dtype == torch.bfloat16
-            elif isinstance(module, RMSNorm):
-                module.fused = fused
+        self.use_layer_ops(cpu and weight.dtype == torch.float32 and layer_ops.available())
+
+    def use_layer_ops(self, enabled: bool) -> None:
+        """Every norm's `add` and every rotary embedding through specserve.kernels.layer_ops
+        (CPU float32; rotary only where no q/k norm comes between projection and rotation),
+        or through PyTorch ops."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = enabled
             elif isinstance(module, Attention):
-                module.fused_rotary = fused
+                module.fused_rotary = enabled and module.q_norm is None
 
     # -- weights --------------------------------------------------------------------------
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

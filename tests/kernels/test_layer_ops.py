@@ -44,9 +44,15 @@ def test_rms_norm_with_residual(dim):
         assert torch.equal(layer_ops.rms_norm(x[lo:hi], w, 1e-5, res[lo:hi])[0], out[lo:hi])
 
 
-def test_model_uses_them_on_cpu_float32(make_llm, tiny_model_dir):
+def test_model_uses_them_on_cpu_float32(make_llm, tiny_model_dir, monkeypatch):
     from specserve import SamplingParams
 
+    calls = {"rms_norm": 0, "rotary_": 0}
+    for name in calls:
+        def counted(*args, _fn=getattr(layer_ops, name), _name=name):
+            calls[_name] += 1
+            return _fn(*args)
+        monkeypatch.setattr(layer_ops, name, counted)
     llm = make_llm(str(tiny_model_dir), dtype="float32", load_format="dummy", seed=0, speculative_config=None)
     model = llm.engine.runner.model
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
@@ -54,8 +60,10 @@ def test_model_uses_them_on_cpu_float32(make_llm, tiny_model_dir):
     assert all(m.fused_rotary for m in model.modules() if isinstance(m, Attention))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     fused = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
-    for m in model.modules():
-        if isinstance(m, (RMSNorm, Attention)):
-            m.fused = m.fused_rotary = False
+    layers = len(model.layers)
+    assert calls["rms_norm"] >= 2 * layers + 1 and calls["rotary_"] >= layers  # per forward at least
+    model.use_layer_ops(False)
+    before = dict(calls)
     plain = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
+    assert calls == before  # PyTorch ops only
     assert fused == plain
