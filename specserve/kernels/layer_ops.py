@@ -1,10 +1,12 @@
-"""A decoder layer's small float32 ops on x86 CPUs, one C call each (`layer_ops.c`).
+"""A decoder layer's small float32 ops on x86 CPUs, one C call each (`layer_ops.c`), and the
+vocabulary argmax of sampling and verification.
 
 At a few rows a layer's RMS norms, residual adds and rotary embedding cost PyTorch some twenty
 dispatches of a few microseconds each, more than their arithmetic; here they are three calls
 per layer. `rms_norm` sums the residual in (the same additions as PyTorch's) and normalises
 each row with its own fixed summation order (batch-invariant, not PyTorch's bits); `rotary_`
-computes exactly PyTorch's rotate-half expression (the same bits). Built and loaded by
+computes exactly PyTorch's rotate-half expression (the same bits); `argmax` gives exactly
+torch.argmax's indices, in a fraction of its time over a vocabulary. Built and loaded by
 specserve.kernels.cbuild; `available()` says whether they can run here.
 """
 
@@ -24,6 +26,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm.restype = None
     lib.rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
     lib.rotary.restype = None
+    lib.argmax.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
+    lib.argmax.restype = None
 
 
 _kernel = Kernel(Path(__file__).with_name("layer_ops.c"), _declare)
@@ -53,3 +57,12 @@ def rotary_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
     assert x.stride(-1) == 1 and x.shape[-1] >= heads * head_dim
     _kernel.lib.rotary(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                        torch.get_num_threads())
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x: [rows, n] float32 (unit stride along a row, n >= 1) -> [rows] int64, exactly
+    torch.argmax(x, -1) (first index on ties, the first NaN if any)."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] > 0
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _kernel.lib.argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out

@@ -50,7 +50,7 @@ import torch
 
 from specserve.host import int_tensor
 from specserve.sampling.sampler import (SamplingBatch, TokenCounts, apply_penalties, exponential_noise,
-                                        processed_probs, row_counts, uniform_at)
+                                        processed_probs, row_argmax, row_counts, uniform_at)
 
 
 class FlatTrees:
@@ -148,7 +148,7 @@ def verify_targets(logits: torch.Tensor, requests, trees: list[tuple[list[int], 
 
 def coupled_tokens(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """What plain sampling draws from rows probs [N, V] at (seed, position) [N]: [N] int64."""
-    return (probs / exponential_noise(seeds, positions, probs.shape[1])).argmax(-1)
+    return row_argmax(probs / exponential_noise(seeds, positions, probs.shape[1]))
 
 
 def verify_trees(target: torch.Tensor, exact: torch.Tensor | None, seeds: torch.Tensor | None,
@@ -160,7 +160,7 @@ def verify_trees(target: torch.Tensor, exact: torch.Tensor | None, seeds: torch.
     (it keys the noise); coupled: (rows [Rc], their seeds [Rc]) of the coupled (seeded sampled)
     requests, whose token is plain sampling's draw instead of the argmax. An all-greedy step
     (all_exact, no coupled rows) needs only target."""
-    best = target.argmax(-1)  # [R]: the one token of each exact row
+    best = row_argmax(target)  # [R]: the one token of each exact row
     if coupled is not None:
         rows, row_seeds = coupled
         best[rows] = coupled_tokens(target[rows], row_seeds, row_pos[rows])

@@ -1,6 +1,7 @@
 """A layer's small ops in C (specserve/kernels/layer_ops.c): the rotary embedding gives
 PyTorch's bits, the RMS norm with its residual add matches PyTorch's and gives every row the
-same bits whatever the batch, and the model that uses them decodes as the one that does not."""
+same bits whatever the batch, the vocabulary argmax is torch.argmax's answer (ties and NaN
+included), and the model that uses them decodes as the one that does not."""
 
 import pytest
 import torch
@@ -27,6 +28,38 @@ def test_rotary_in_place_is_torch_bits(rows, shape):
     assert torch.equal(got[:, :hq * d].reshape(rows, hq, d), want_q)
     assert torch.equal(got[:, hq * d:(hq + hkv) * d].reshape(rows, hkv, d), want_k)
     assert torch.equal(got[:, (hq + hkv) * d:], qkv[:, (hq + hkv) * d:])  # v untouched
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (17, 512), (70, 4099), (3, 5)])
+def test_argmax_is_torch_argmax(shape):
+    rows, n = shape
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(rows, n + 3, generator=g)[:, 1:n + 1]  # a row stride past the row
+    assert torch.equal(layer_ops.argmax(x), x.argmax(-1))
+    x[:, ::3] = x.max()  # ties: the first
+    assert torch.equal(layer_ops.argmax(x), x.argmax(-1))
+    x[:, :] = -torch.inf
+    x[0, n - 1] = 1.0
+    assert torch.equal(layer_ops.argmax(x), x.argmax(-1))
+    x = torch.randn(rows, n, generator=g)
+    x[0, n // 2], x[0, n - 1], x[-1, 0] = torch.nan, torch.nan, torch.nan  # the first NaN
+    x[rows // 2, n - 1] = torch.inf
+    assert torch.equal(layer_ops.argmax(x), x.argmax(-1))
+
+
+def test_row_argmax_takes_the_kernel():
+    from specserve.sampling import row_argmax
+
+    calls = []
+    real = layer_ops.argmax
+    layer_ops.argmax = lambda x: calls.append(x.shape) or real(x)
+    try:
+        x = torch.randn(4, 49152)
+        assert torch.equal(row_argmax(x), x.argmax(-1))
+        assert torch.equal(row_argmax(x.double()), x.double().argmax(-1))  # not float32: PyTorch's
+    finally:
+        layer_ops.argmax = real
+    assert calls == [(4, 49152)]
 
 
 @pytest.mark.parametrize("dim", [576, 100])
