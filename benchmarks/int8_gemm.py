@@ -1,5 +1,5 @@
 """The target's products at a few row counts: float32 GEMMs against int8 weights through our
-kernel (specserve.kernels.cpu_int8), for one decode step of a model's shapes (every layer's
+kernel (specserve.kernels.cpu_linear), for one decode step of a model's shapes (every layer's
 QKV, O, gate-up and down products plus the LM head), with the two alternating.
 
     python benchmarks/int8_gemm.py [--rows 1 2 4 8 16 64 256] [--runs 5] [--layers 30]
@@ -23,7 +23,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from specserve.kernels import cpu_int8
+    from specserve.kernels import cpu_linear
     from specserve.model.quant import Int8Linear
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,8 +35,8 @@ def main() -> None:
     p.add_argument("--kv", type=int, default=192, help="K (= V) projection width")
     p.add_argument("--vocab", type=int, default=49152)
     args = p.parse_args()
-    if not cpu_int8.available():
-        print(f"the int8 kernel cannot run here: {cpu_int8.why_unavailable()}")
+    if not cpu_linear.available():
+        print(f"the int8 kernel cannot run here: {cpu_linear.why_unavailable()}")
         return
     h, i = args.hidden, args.intermediate
     shapes = [(h + 2 * args.kv, h), (h, h), (2 * i, h), (h, i)]

@@ -4,7 +4,7 @@ B requests of a fixed prompt (about --context tokens) are prefilled, then --step
 steps of the engine (no speculation) are profiled. Each CPU op's self time goes to a class:
 
   gemm        aten::mm / addmm / bmm / linear's products (weights read here); with
-              --quantization int8 our kernel's calls (a specserve::int8_linear range)
+              --quantization int8 our kernel's calls (a specserve::cpu_linear range)
   attention   scaled_dot_product_attention and the KV gather / write of the backend
   small ops   every other ATen op (norms, rotary, activations, copies, views, indexing, cat)
   sampling    argmax / softmax / topk / sort / multinomial and the logits' own ops
@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_weight_int8pack_mm",
-        "specserve::int8_linear")
+        "specserve::cpu_linear")
 ATTENTION = ("scaled_dot_product", "attention", "aten::index_select", "aten::index_copy_", "aten::index_put_",
              "aten::gather", "aten::scatter")
 SAMPLING = ("aten::argmax", "aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
@@ -103,15 +103,15 @@ def main() -> None:
     if args.quantization == "int8":  # our kernel is no ATen op: give its calls a named range
         import torch
 
-        from specserve.kernels import cpu_int8
+        from specserve.kernels import cpu_linear
 
-        kernel = cpu_int8.PackedInt8.__call__
+        kernel = cpu_linear.PackedInt8.__call__
 
         def named(self, x):
-            with torch.profiler.record_function("specserve::int8_linear"):
+            with torch.profiler.record_function("specserve::cpu_linear"):
                 return kernel(self, x)
 
-        cpu_int8.PackedInt8.__call__ = named
+        cpu_linear.PackedInt8.__call__ = named
     results = []
     for b in args.batch:
         r = profile(llm, b, args.context, args.steps)

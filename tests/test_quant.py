@@ -1,5 +1,5 @@
-"""Weight-only int8 linear layers (specserve.model.quant, specserve.kernels.cpu_int8) and
-draft-head formats (specserve.spec_decode.quant)."""
+"""Our CPU linear layers (specserve.kernels.cpu_linear): weight-only int8 (specserve.model.quant)
+and float32; draft-head formats (specserve.spec_decode.quant)."""
 
 import argparse
 
@@ -11,7 +11,7 @@ from specserve.config import SpecConfig
 from specserve.model.arch import ModelArch
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.spec_decode.medusa import MedusaHeads
-from specserve.kernels import cpu_int8
+from specserve.kernels import cpu_linear
 from specserve.model.quant import Int8Linear, check_target_quantization, int8_pays, quantize_linears, quantize_rows
 from specserve.spec_decode.quant import check_quantization
 
@@ -28,17 +28,17 @@ def test_rows_round_trip_within_half_a_step():
     assert torch.all((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-6)
 
 
-needs_kernel = pytest.mark.skipif(not cpu_int8.available(),
-                                  reason=f"the int8 CPU kernel cannot run here ({cpu_int8.why_unavailable()})")
+needs_kernel = pytest.mark.skipif(not cpu_linear.available(),
+                                  reason=f"the int8 CPU kernel cannot run here ({cpu_linear.why_unavailable()})")
 
 
 @pytest.fixture(params=["own kernel", "torch"])
 def path(request, monkeypatch):
     """Int8Linear through our kernel, and through torch's (what a machine without it gets)."""
-    if request.param == "own kernel" and not cpu_int8.available():
-        pytest.skip(f"the int8 CPU kernel cannot run here ({cpu_int8.why_unavailable()})")
+    if request.param == "own kernel" and not cpu_linear.available():
+        pytest.skip(f"the int8 CPU kernel cannot run here ({cpu_linear.why_unavailable()})")
     if request.param == "torch":
-        monkeypatch.setattr(cpu_int8, "available", lambda: False)
+        monkeypatch.setattr(cpu_linear, "available", lambda: False)
     return request.param
 
 
@@ -123,6 +123,41 @@ def test_quantization_option_is_checked():
         check_quantization("int8", gpu, *shape)
 
 
+@needs_kernel
+def test_f32_kernel_tracks_linear_and_gives_every_row_the_same_bits():
+    torch.manual_seed(0)
+    lin = nn.Linear(200, 77)  # 77: a last, partial strip of columns
+    packed = cpu_linear.PackedFloat32(lin.weight, lin.bias)
+    x = torch.randn(19, 200)
+    y = packed(x)
+    torch.testing.assert_close(y, lin(x), atol=1e-5, rtol=1e-5)
+    for rows in (slice(0, 1), slice(5, 7), slice(7, 11), slice(11, 17)):  # every tile shape
+        assert torch.equal(packed(x[rows]), y[rows])
+    assert packed(x[None]).shape == (1, 19, 77)
+
+
+@needs_kernel
+def test_f32_kernel_target_keeps_speculation_lossless(tmp_path, monkeypatch):
+    """A float32 target whose layers went into our kernel (as finalize_weights does where it
+    measures faster): plain, prompt lookup and EAGLE give the same greedy tokens."""
+    from test_eagle_medusa import greedy_ids, tiny_llm, write_eagle1
+
+    import specserve.model.quant as quant
+
+    monkeypatch.setattr(quant, "f32_kernel_pays", lambda hidden, intermediate: True)
+    plain = tiny_llm(tmp_path)
+    model = plain.engine.runner.model
+    assert model.layers[0].mlp.down_proj.packed is not None and model.layers[0].mlp.down_proj.weight.numel() == 0
+    assert isinstance(model.lm_head_q, cpu_linear.PackedFloat32) and model.lm_head.weight.numel() > 0
+    want = greedy_ids(plain)
+    head = str(write_eagle1(tmp_path / "head"))
+    for config in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                   {"method": "eagle", "model": head, "depth": 3, "topk": 2}):
+        llm = tiny_llm(tmp_path, {**config, "adaptive": False})  # drafts every step
+        assert greedy_ids(llm) == want, config["method"]
+        assert llm.engine.stats.spec_num_drafts > 0
+
+
 def test_target_quantization_option_is_checked(monkeypatch):
     from specserve.config import EngineConfig
     from specserve.server.cli import add_serve_args, engine_config_from_args
@@ -132,11 +167,11 @@ def test_target_quantization_option_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="CPU only"):
         check_target_quantization("int8", "cuda")
     assert EngineConfig.create().model.quantization == "none"
-    if cpu_int8.available():
+    if cpu_linear.available():
         args = add_serve_args(argparse.ArgumentParser()).parse_args(["--quantization", "int8"])
         assert engine_config_from_args(args).model.quantization == "int8"
-    monkeypatch.setattr(cpu_int8._kernel, "_lib", None)
-    monkeypatch.setattr(cpu_int8._kernel, "_error", "this CPU lacks AVX2/FMA")
+    monkeypatch.setattr(cpu_linear._kernel, "_lib", None)
+    monkeypatch.setattr(cpu_linear._kernel, "_error", "this CPU lacks AVX2/FMA")
     with pytest.raises(ValueError, match="cannot run here .this CPU lacks AVX2/FMA"):
         EngineConfig.create(quantization="int8", device="cpu")
 

@@ -28,6 +28,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rotary.restype = None
     lib.argmax.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.argmax.restype = None
+    lib.top_logprobs.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.top_logprobs.restype = None
 
 
 _kernel = Kernel(Path(__file__).with_name("layer_ops.c"), _declare)
@@ -66,3 +68,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _kernel.lib.argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def top_logprobs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [rows, n] float32 logits (unit stride along a row), 1 <= k <= n -> (log-softmax
+    values [rows, k] float32, descending, and their column indices [rows, k] int64): what
+    x.log_softmax(-1).topk(k) gives, to ~1e-6 (the lower index first on ties)."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and 1 <= k <= x.shape[1]
+    val = torch.empty(x.shape[0], k)
+    idx = torch.empty(x.shape[0], k, dtype=torch.int64)
+    _kernel.lib.top_logprobs(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, val.data_ptr(), idx.data_ptr(),
+                             torch.get_num_threads())
+    return val, idx

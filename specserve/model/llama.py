@@ -20,19 +20,33 @@ from specserve.model.attention import AttentionMetadata
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can route one-row inputs through the many-row GEMM.
+    """nn.Linear that can route its products through our CPU kernel, or one-row inputs
+    through the many-row GEMM.
 
-    oneDNN's bfloat16 GEMM gives a row the same bits whatever the number of rows, except that
-    a single row takes a GEMV path whose sums differ in the last bit now and then (seen for
-    reduction lengths of 1536 and more). `finalize_weights` sets `pad_single_row` for the CPU
-    bfloat16 model, so a one-token decode step computes exactly what the same token gets
-    inside a verification batch; the extra row costs nothing measurable (the weights are read
-    once either way).
+    `packed` (CPU float32, where `finalize_weights` measured it faster): the weights live only
+    in specserve.kernels.cpu_linear's layout and every product goes through our kernel, which
+    gives a row the same bits whatever the batch. oneDNN's bfloat16 GEMM gives a row the same
+    bits whatever the number of rows, except that a single row takes a GEMV path whose sums
+    differ in the last bit now and then (seen for reduction lengths of 1536 and more).
+    `finalize_weights` sets `pad_single_row` for the CPU bfloat16 model, so a one-token decode
+    step computes exactly what the same token gets inside a verification batch; the extra row
+    costs nothing measurable (the weights are read once either way).
     """
 
     pad_single_row = False
+    packed = None  # a cpu_linear.PackedFloat32, see finalize_weights
+
+    def pack(self) -> None:
+        """Move the weights into our kernel's layout (the dense copy is dropped)."""
+        from specserve.kernels.cpu_linear import PackedFloat32
+
+        self.packed = PackedFloat32(self.weight, self.bias)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
         if self.pad_single_row and x.shape[0] == 1:
             return F.linear(torch.cat((x, x)), self.weight, self.bias)[:1]
         return F.linear(x, self.weight, self.bias)
@@ -177,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(arch, max_positions)
         self.lm_head_t: torch.Tensor | None = None  # see finalize_weights
-        self.lm_head_q: nn.Module | None = None  # see quantize_int8
+        self.lm_head_q = None  # the LM head through our CPU kernel: see quantize_int8, finalize_weights
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -193,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
         if self.lm_head_q is not None:
-            return self.lm_head_q(hidden).float()
+            return self.lm_head_q(hidden)
         if self.lm_head_t is not None:
             return (hidden @ self.lm_head_t).float()
         return self.lm_head(hidden).float()
@@ -211,18 +225,31 @@ class LlamaForCausalLM(nn.Module):
     def finalize_weights(self) -> None:
         """Call once the weights are final (loaded and cast).
 
-        CPU float32: MKL reads an [H, V] weight for a skinny product about twice as fast as the
+        CPU float32 where our linear kernel builds and a measurement at start finds it faster
+        than the GEMM (specserve.model.quant.f32_kernel_pays; on an AVX2-only AMD CPU, 2x at
+        one row, ~4x at 2-16): every projection and the LM head through it (the layers'
+        weights move into its layout; the LM head's stays, draft heads read it). Else CPU
+        float32: MKL reads an [H, V] weight for a skinny product about twice as fast as the
         [V, H] nn.Linear layout (measured on the default model's 49k x 576 head, one row), so
         the head keeps a transposed copy. CPU bfloat16: oneDNN is faster with the nn.Linear
         layout, and one-row products go through the many-row GEMM (see `Linear`) so that every
-        row's result is independent of the batch. CUDA: neither. CPU float32 where our kernels
-        build: the RMS norms with their residual adds and the rotary embedding in one C call
-        each (specserve.kernels.layer_ops; a few rows paid ~20 dispatches per layer for them).
+        row's result is independent of the batch. CUDA: none of these. CPU float32 where our
+        kernels build: the RMS norms with their residual adds and the rotary embedding in one C
+        call each (specserve.kernels.layer_ops; a few rows paid ~20 dispatches per layer).
         """
+        from specserve.model.quant import f32_kernel_pays
+
         weight = self.lm_head.weight.detach()
         cpu = weight.device.type == "cpu"
-        self.lm_head_t = weight.t().contiguous() if (
-            cpu and weight.dtype == torch.float32 and self.lm_head_q is None) else None
+        f32 = cpu and weight.dtype == torch.float32
+        if f32 and self.lm_head_q is None and f32_kernel_pays(self.arch.hidden_size, self.arch.intermediate_size):
+            from specserve.kernels.cpu_linear import PackedFloat32
+
+            self.lm_head_q = PackedFloat32(weight, None)
+            for module in self.layers.modules():
+                if isinstance(module, Linear):
+                    module.pack()
+        self.lm_head_t = weight.t().contiguous() if f32 and self.lm_head_q is None else None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pad_single_row = cpu and weight.dtype == torch.bfloat16

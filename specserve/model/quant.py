@@ -1,7 +1,7 @@
 """Weight-only int8 linear layers for CPUs: the target's (`--quantization int8`) and draft heads'.
 
 `Int8Linear` keeps a linear layer's weights as symmetric int8 with one scale per output row.
-Where our AVX2/FMA kernel builds (specserve.kernels.cpu_int8: x86 with AVX2, a C compiler),
+Where our AVX2/FMA kernel builds (specserve.kernels.cpu_linear: x86 with AVX2, a C compiler),
 every product goes through it: a quarter of float32's weight bytes, and each row's result
 independent of the other rows, so a quantized target keeps speculation exactly lossless
 against plain decoding of the same quantized model. Elsewhere draft heads fall back to torch's
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import QUANTIZATION_CHOICES
-from specserve.kernels import cpu_int8
+from specserve.kernels import cpu_linear
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,9 +38,9 @@ class Int8Linear(nn.Module):
         super().__init__()
         q, scales = quantize_rows(weight)
         self.out_features = weight.shape[0]
-        self.own_kernel = weight.device.type == "cpu" and cpu_int8.available()
+        self.own_kernel = weight.device.type == "cpu" and cpu_linear.available()
         if self.own_kernel:
-            self.kernel = cpu_int8.PackedInt8(q, scales, bias)  # holds the weights (not buffers:
+            self.kernel = cpu_linear.PackedInt8(q, scales, bias)  # holds the weights (not buffers:
             # the kernel keeps pointers to them, so they must never move or be cast)
         else:
             self.register_buffer("qweight", q)
@@ -82,33 +82,57 @@ def check_target_quantization(value: str, device: str) -> None:
         return
     if device not in ("auto", "cpu") or (device == "auto" and torch.cuda.is_available()):
         raise ValueError("quantization: 'int8' runs on the CPU only")
-    if not cpu_int8.available():
+    if not cpu_linear.available():
         raise ValueError(f"quantization: 'int8' needs the int8 CPU kernel, which cannot run here "
-                         f"({cpu_int8.why_unavailable()})")
+                         f"({cpu_linear.why_unavailable()})")
 
 
 _INT8_PAYS: dict[tuple, bool] = {}
+_F32_PAYS: dict[tuple, bool] = {}
+
+
+def _faster(ours, theirs, hidden: int, dtype: torch.dtype, rows_list=(1, 4), margin: float = 0.9,
+            rounds: int = 20) -> bool:
+    """Whether `ours` takes under margin x the time of `theirs` at every row count (best of 3
+    rounds of `rounds` calls each, side by side)."""
+    import time
+
+    for rows in rows_list:
+        x = torch.randn(rows, hidden, dtype=dtype)
+        best = {}
+        for _ in range(3):
+            for name, fn in (("ours", ours), ("theirs", theirs)):
+                fn(x)
+                start = time.perf_counter()
+                for _ in range(rounds):
+                    fn(x)
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+        if best["ours"] > margin * best["theirs"]:
+            return False
+    return True
+
+
+def f32_kernel_pays(hidden: int, intermediate: int) -> bool:
+    """Whether our float32 linear kernel (specserve.kernels.cpu_linear) beats torch's GEMM on
+    this CPU at 1 and 8 rows (by 10%), over 48 MB of [intermediate, hidden] matrices: more
+    than a CPU's caches hold, so that weights stream from memory as in a decode step. Cached."""
+    key = (hidden, intermediate, torch.get_num_threads())
+    if key not in _F32_PAYS:
+        _F32_PAYS[key] = False
+        if cpu_linear.available():
+            count = min(256, max(2, (48 << 20) // (4 * hidden * intermediate)))
+            weights = [torch.randn(intermediate, hidden) * 0.02 for _ in range(count)]
+            packed = [cpu_linear.PackedFloat32(w, None) for w in weights]
+            _F32_PAYS[key] = _faster(lambda x: [p(x) for p in packed], lambda x: [F.linear(x, w) for w in weights],
+                                     hidden, torch.float32, (1, 8), rounds=5)
+    return _F32_PAYS[key]
 
 
 def int8_pays(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
     """Whether int8 weight-only products beat the dtype's GEMM on this CPU for 1 and 4 rows of
     a head-sized matrix (by 10%). Cached."""
-    import time
-
     key = (hidden, intermediate, dtype, torch.get_num_threads())
     if key not in _INT8_PAYS:
         weight = torch.randn(intermediate, hidden, dtype=dtype) * 0.02
-        layer = Int8Linear(weight, None)
-        faster = []
-        for rows in (1, 4):
-            x = torch.randn(rows, hidden, dtype=dtype)
-            times = {}
-            for name, fn in (("int8", layer), ("dense", lambda x: F.linear(x, weight))):
-                fn(x)
-                start = time.perf_counter()
-                for _ in range(50):
-                    fn(x)
-                times[name] = time.perf_counter() - start
-            faster.append(times["int8"] < 0.9 * times["dense"])
-        _INT8_PAYS[key] = all(faster)
+        _INT8_PAYS[key] = _faster(Int8Linear(weight, None), lambda x: F.linear(x, weight), hidden, dtype)
     return _INT8_PAYS[key]

@@ -191,6 +191,17 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> the k most likely columns of each row, as (log probabilities [N, k]
+    float32, descending; columns [N, k] int64): what drafting (EAGLE, Medusa) expands. On an
+    x86 CPU one C call (specserve.kernels.layer_ops.top_logprobs, ~3x PyTorch's log_softmax
+    then topk over a vocabulary); ties may come in another order than PyTorch's."""
+    logits = logits.float()
+    if logits.device.type == "cpu" and logits.numel() >= 2048 and logits.stride(-1) == 1 and layer_ops.available():
+        return layer_ops.top_logprobs(logits, k)
+    return logits.log_softmax(-1).topk(k, -1)
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """logits [N, V] float32 -> token ids [N] int64."""
     greedy_ids = row_argmax(apply_penalties(logits, b))

@@ -36,6 +36,7 @@ import torch
 
 from specserve.config import DEFAULT_DRAFTS
 from specserve.host import int_tensor
+from specserve.sampling import top_logprobs
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.eagle_head import HeadKV, Segment
 from specserve.spec_decode.quant import draft_lm_head
@@ -65,7 +66,7 @@ class _Growing:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
-    outs: list[torch.Tensor | None] = field(default_factory=list)  # head output of each expanded node
+    out_row: list[int] = field(default_factory=list)  # each expanded node's row in its pass's output
     rows: list[int] = field(default_factory=list)  # head K/V entry of each expanded node (-1: none)
     frontier: list[int] = field(default_factory=list)
     expanded: int = 0  # nodes run through the head so far
@@ -116,11 +117,10 @@ class EagleProposer:
         self.cache.pop(request_id, None)
 
     # -- drafting ---------------------------------------------------------------------------------
-    def _pass(self, feats, ids, positions, segments) -> torch.Tensor:
-        """One head pass over the rows of several requests -> outputs [N, hidden]."""
-        ids_pos = int_tensor([ids, positions], self.device)
-        out, _, _ = self.head(torch.stack(feats) if isinstance(feats, list) else feats,
-                              self.embed.index_select(0, ids_pos[0]), ids_pos[1], segments=segments)
+    def _pass(self, feats: torch.Tensor, index: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """One head pass over the rows of several requests: feats [N, hidden], index [>= 2, N]
+        (token ids, positions) -> outputs [N, hidden]."""
+        out, _, _ = self.head(feats, self.embed.index_select(0, index[0]), index[1], segments=segments)
         return out
 
     def _catch_up(self, caches: list[_HeadCache], token_ids: list[list[int]]) -> None:
@@ -142,7 +142,7 @@ class EagleProposer:
                                        range(c.base + p, c.base + n), [Segment(c.kv, p, n - p, None)])):
                 acc.extend(new)
         if todo:
-            out = self._pass(*rows)
+            out = self._pass(torch.stack(rows[0]), int_tensor([rows[1], rows[2]], self.device), rows[3])
             end = -1
             for (c, n), seg in zip(todo, rows[3]):
                 end += seg.rows
@@ -166,13 +166,14 @@ class EagleProposer:
         return out
 
     def _grow(self, grow: list[_Growing], min_score: float) -> None:
-        self._add_children(grow, [[-1] for _ in grow], torch.stack([g.cache.last_out for g in grow]), min_score)
+        out = torch.stack([g.cache.last_out for g in grow])  # the roots' outputs, row b: grow[b]'s
+        self._add_children(grow, [[-1] for _ in grow], out, min_score)
         for d in range(1, self.depth):
-            active = [g for g in grow if g.frontier]
+            active = [(b, g) for b, g in enumerate(grow) if g.frontier]
             if not active:
                 return
-            feats, ids, positions, segments = [], [], [], []
-            for g in active:
+            src, ids, positions, segments = [], [], [], []  # src: each row's parent's row in out
+            for b, g in active:
                 past, num, f = g.cache.pairs, g.expanded, len(g.frontier)
                 g.expanded += f
                 mask = np.zeros((f, past + num + f), dtype=bool)  # the pairs, its ancestors, itself
@@ -182,24 +183,21 @@ class EagleProposer:
                     while (node := g.parents[node]) >= 0:
                         mask[j, past + g.rows[node]] = True
                     g.rows[i] = num + j
-                    feats.append(g.outs[g.parents[i]] if g.parents[i] >= 0 else g.cache.last_out)
+                    src.append(g.out_row[g.parents[i]] if g.parents[i] >= 0 else b)
+                    g.out_row[i] = len(ids)
                     ids.append(g.tokens[i])
                     positions.append(g.position + d - 1)
                 segments.append(Segment(g.cache.kv, past + num, f, torch.from_numpy(mask).to(self.device)))
-            out = self._pass(feats, ids, positions, segments)
-            at = 0
-            for g in active:
-                for i in g.frontier:
-                    g.outs[i] = out[at]
-                    at += 1
-            self._add_children(active, [g.frontier for g in active], out, min_score)
+            index = int_tensor([ids, positions, src], self.device)
+            out = self._pass(out.index_select(0, index[2]), index, segments)
+            self._add_children([g for _, g in active], [g.frontier for _, g in active], out, min_score)
 
     def _add_children(self, grow, parents: list[list[int]], outs: torch.Tensor, min_score: float) -> None:
         """Each parent node (-1: the root) gets its top-k children, score = parent score +
         log q(child); each request's next frontier is its k best new nodes worth expanding.
         outs: [sum of parents, hidden], the parents' head outputs in order."""
         k = self.topk
-        top, ix = self._lm_head(outs).float().log_softmax(-1).topk(k, -1)  # [P, k] draft log q, ids
+        top, ix = top_logprobs(self._lm_head(outs), k)  # [P, k] draft log q, ids
         lp_l, tok_l = top.tolist(), (self.d2t[ix] if self.d2t is not None else ix).tolist()  # one sync
         at = 0
         for g, ps in zip(grow, parents):
@@ -211,7 +209,7 @@ class EagleProposer:
                 at += 1
             new = len(g.tokens) - start
             g.parents += [p for p in ps for _ in range(k)]
-            g.outs += [None] * new
+            g.out_row += [-1] * new
             g.rows += [-1] * new
             best = sorted(range(start, len(g.tokens)), key=g.scores.__getitem__, reverse=True)[:k]  # stable
             g.frontier = [i for i in best if g.scores[i] >= min_score]

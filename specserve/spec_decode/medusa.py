@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import DEFAULT_DRAFTS
+from specserve.sampling import top_logprobs
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.quant import draft_lm_head
 
@@ -136,8 +137,9 @@ class MedusaProposer:
         if not ready:
             return out
         feats = torch.stack([self.last[batch.request_ids[j]][1] for j in ready]).to(self.dtype)
-        logp = torch.log_softmax(self.heads.logits(feats, self.lm_head).float(), -1)  # [K, B, V']
-        top_lp, top = logp.topk(self.width, -1)
+        logits = self.heads.logits(feats, self.lm_head)  # [K, B, V']
+        top_lp, top = top_logprobs(logits.reshape(-1, logits.shape[-1]), self.width)
+        top_lp, top = top_lp.view(*logits.shape[:2], -1), top.view(*logits.shape[:2], -1)
         top = self.d2t[top] if self.d2t is not None else top
         top_lp, top = top_lp.tolist(), top.tolist()  # one transfer for the batch
         for b, j in enumerate(ready):

@@ -47,6 +47,21 @@ def test_argmax_is_torch_argmax(shape):
     assert torch.equal(layer_ops.argmax(x), x.argmax(-1))
 
 
+@pytest.mark.parametrize("shape,k", [((1, 8192), 2), ((6, 515), 4), ((3, 9), 9)])
+def test_top_logprobs_is_log_softmax_topk(shape, k):
+    g = torch.Generator().manual_seed(k)
+    x = 4 * torch.randn(shape[0], shape[1] + 2, generator=g)[:, 2:]
+    val, idx = layer_ops.top_logprobs(x, k)
+    want_val, want_idx = x.log_softmax(-1).topk(k, -1)
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(val, want_val, atol=2e-6, rtol=1e-6)
+    x[0, :] = -torch.inf  # a masked row: its allowed columns first, then the lowest masked ones
+    x[0, shape[1] - 1] = 0.0
+    val, idx = layer_ops.top_logprobs(x, k)
+    assert idx[0].tolist() == [shape[1] - 1] + list(range(k - 1))
+    assert val[0, 0] == 0.0 and (val[0, 1:] == -torch.inf).all()
+
+
 def test_row_argmax_takes_the_kernel():
     from specserve.sampling import row_argmax
 
