@@ -10,7 +10,7 @@
    need not: the two sum in different orders; each engine is lossless against itself).
 
     python benchmarks/cpu_linear.py [--rows 1 2 4 8 16 64] [--batch 1 8 16] [--max-tokens 64]
-        [--repeats 3] [--json OUT.json]
+        [--repeats 3] [--json OUT.json] [--plot OUT.png]
 """
 
 from __future__ import annotations
@@ -104,6 +104,34 @@ def decode(batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
     return out
 
 
+def plot(result: dict, path: str) -> None:
+    """Two panels: a step's products (ms) by rows, and plain decoding tok/s by batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    rows = [r["rows"] for r in result["products"]]
+    for side in ("torch", "ours"):
+        a.plot(rows, [r[f"{side}_ms"] for r in result["products"]], marker="o", label=side)
+    a.set(xscale="log", xlabel="rows per product", ylabel="ms per decode step's products",
+          title="default model's shapes, float32")
+    a.set_xticks(rows, [str(r) for r in rows])
+    batches = [r["batch"] for r in result["decode"]]
+    width = 0.38
+    for i, side in enumerate(("torch", "ours")):
+        b.bar([j + (i - 0.5) * width for j in range(len(batches))], [r[f"{side}_tok_s"] for r in result["decode"]],
+              width, label=side)
+    b.set_xticks(range(len(batches)), [str(x) for x in batches])
+    b.set(xlabel="requests in flight", ylabel="tok/s", title="plain decoding, greedy")
+    for ax in (a, b):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
@@ -111,6 +139,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="write a PNG of both parts here")
     args = p.parse_args()
     from specserve.kernels import cpu_linear
 
@@ -123,6 +152,8 @@ def main() -> None:
     result["decode"] = decode(args.batch, args.max_tokens, args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(result, args.plot)
 
 
 if __name__ == "__main__":
