@@ -148,7 +148,7 @@ def test_f32_kernel_target_keeps_speculation_lossless(tmp_path, monkeypatch):
     plain = tiny_llm(tmp_path)
     model = plain.engine.runner.model
     assert model.layers[0].mlp.down_proj.packed is not None and model.layers[0].mlp.down_proj.weight.numel() == 0
-    assert isinstance(model.lm_head_q, cpu_linear.PackedFloat32) and model.lm_head.weight.numel() > 0
+    assert isinstance(model.lm_head_kernel, cpu_linear.PackedFloat32) and model.lm_head.weight.numel() > 0
     want = greedy_ids(plain)
     head = str(write_eagle1(tmp_path / "head"))
     for config in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
@@ -183,7 +183,7 @@ def test_int8_target_keeps_speculation_lossless(tmp_path):
 
     plain = tiny_llm(tmp_path, quantization="int8")
     model = plain.engine.runner.model
-    assert isinstance(model.layers[0].mlp.down_proj, Int8Linear) and isinstance(model.lm_head_q, Int8Linear)
+    assert isinstance(model.layers[0].mlp.down_proj, Int8Linear) and isinstance(model.lm_head_kernel, Int8Linear)
     want = greedy_ids(plain)
     head = str(write_eagle1(tmp_path / "head"))
     for config in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},

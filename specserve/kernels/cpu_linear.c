@@ -116,19 +116,15 @@ TILES(1)
 BLOCK_ROWS(0)
 BLOCK_ROWS(1)
 
-void int8_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *packed,
-                 int64_t N, const float *scale, const float *bias, float *y, int64_t ldy,
-                 int threads) {
-    int64_t blocks = (N + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++)
-        block_rows_1(x, M, ldx, K, packed + b * K * BLOCK, scale, bias, b * BLOCK, N, y, ldy);
-}
-
-void f32_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *packed,
-                int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
-    int64_t blocks = (N + BLOCK - 1) / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++)
-        block_rows_0(x, M, ldx, K, packed + b * K * BLOCK, 0, bias, b * BLOCK, N, y, ldy);
-}
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the packed weights, scaled by
+ * `scale` (NULL: none), plus `bias` (NULL: none). The two entry points differ in weight type. */
+#define LINEAR(NAME, WT, Q)                                                                      \
+    void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const WT *packed, int64_t N,     \
+              const float *scale, const float *bias, float *y, int64_t ldy, int threads) {        \
+        int64_t blocks = (N + BLOCK - 1) / BLOCK;                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                        \
+        for (int64_t b = 0; b < blocks; b++)                                                      \
+            block_rows_##Q(x, M, ldx, K, packed + b * K * BLOCK, scale, bias, b * BLOCK, N, y, ldy); \
+    }
+LINEAR(int8_linear, int8_t, 1)
+LINEAR(f32_linear, float, 0)

@@ -28,7 +28,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.int8_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     lib.int8_linear.restype = None
-    lib.f32_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.f32_linear.argtypes = lib.int8_linear.argtypes
     lib.f32_linear.restype = None
 
 
@@ -53,18 +53,19 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class _Packed:
-    """A layer's weights in the kernel's layout with its bias (float32), callable on
-    activations: x [..., K] -> [..., N] float32. The pointers are taken once here: a decode step
-    calls a hundred-odd of these."""
+    """A layer's weights in the kernel's layout with its scales (int8) and bias (float32),
+    callable on activations: x [..., K] -> [..., N] float32. The pointers are taken once here:
+    a decode step calls a hundred-odd of these."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        assert _kernel.lib is not None, _kernel.why_unavailable()
-        weight = weight.detach().to(device="cpu", dtype=dtype)
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
+                 fn) -> None:
+        self._fn = fn
         self.out_features, self.in_features = weight.shape
-        self.packed = pack(weight)
+        self.packed = pack(weight.detach().cpu())
+        self.scales = None if scales is None else scales.detach().float().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._weights = self.packed.data_ptr()
-        self._bias = 0 if self.bias is None else self.bias.data_ptr()
+        self._args = (self.packed.data_ptr(), self.out_features, 0 if self.scales is None else self.scales.data_ptr(),
+                      0 if self.bias is None else self.bias.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:  # the kernel trusts its sizes
@@ -74,7 +75,8 @@ class _Packed:
             rows = rows.float().contiguous()
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         if rows.shape[0]:
-            self._run(rows, y)
+            self._fn(rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0), *self._args,
+                     y.data_ptr(), self.out_features, torch.get_num_threads())
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -82,24 +84,13 @@ class PackedInt8(_Packed):
     """y = x @ (q * scales[:, None]).T + bias: q int8 [N, K], scales [N]."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__(q, bias, torch.int8)
-        self.scales = scales.detach().float().contiguous()
-        self._fn, self._scales = _kernel.lib.int8_linear, self.scales.data_ptr()
-
-    def _run(self, rows: torch.Tensor, y: torch.Tensor) -> None:
-        m, n = rows.shape[0], self.out_features
-        self._fn(rows.data_ptr(), m, self.in_features, rows.stride(0), self._weights, n,
-                 self._scales, self._bias, y.data_ptr(), n, torch.get_num_threads())
+        assert _kernel.lib is not None, _kernel.why_unavailable()
+        super().__init__(q.to(torch.int8), scales, bias, _kernel.lib.int8_linear)
 
 
 class PackedFloat32(_Packed):
     """y = x @ weight.T + bias, weight float32 [N, K]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__(weight, bias, torch.float32)
-        self._fn = _kernel.lib.f32_linear
-
-    def _run(self, rows: torch.Tensor, y: torch.Tensor) -> None:
-        m, n = rows.shape[0], self.out_features
-        self._fn(rows.data_ptr(), m, self.in_features, rows.stride(0), self._weights, n,
-                 self._bias, y.data_ptr(), n, torch.get_num_threads())
+        assert _kernel.lib is not None, _kernel.why_unavailable()
+        super().__init__(weight.float(), None, bias, _kernel.lib.f32_linear)

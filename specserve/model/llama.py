@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(arch, max_positions)
         self.lm_head_t: torch.Tensor | None = None  # see finalize_weights
-        self.lm_head_q = None  # the LM head through our CPU kernel: see quantize_int8, finalize_weights
+        self.lm_head_kernel = None  # the LM head through our CPU kernel: see quantize_int8, finalize_weights
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -206,8 +206,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
-        if self.lm_head_q is not None:
-            return self.lm_head_q(hidden)
+        if self.lm_head_kernel is not None:
+            return self.lm_head_kernel(hidden).float()  # Int8Linear answers in the model's dtype
         if self.lm_head_t is not None:
             return (hidden @ self.lm_head_t).float()
         return self.lm_head(hidden).float()
@@ -220,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         from specserve.model.quant import Int8Linear, quantize_linears
 
         quantize_linears(self.layers)
-        self.lm_head_q = Int8Linear.from_linear(self.lm_head)
+        self.lm_head_kernel = Int8Linear.from_linear(self.lm_head)
 
     def finalize_weights(self) -> None:
         """Call once the weights are final (loaded and cast).
@@ -242,18 +242,18 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head.weight.detach()
         cpu = weight.device.type == "cpu"
         f32 = cpu and weight.dtype == torch.float32
-        if f32 and self.lm_head_q is None and f32_kernel_pays(self.arch.hidden_size, self.arch.intermediate_size):
+        if f32 and self.lm_head_kernel is None and f32_kernel_pays(self.arch.hidden_size, self.arch.intermediate_size):
             from specserve.kernels.cpu_linear import PackedFloat32
 
-            self.lm_head_q = PackedFloat32(weight, None)
+            self.lm_head_kernel = PackedFloat32(weight, None)
             for module in self.layers.modules():
                 if isinstance(module, Linear):
                     module.pack()
-        self.lm_head_t = weight.t().contiguous() if f32 and self.lm_head_q is None else None
+        self.lm_head_t = weight.t().contiguous() if f32 and self.lm_head_kernel is None else None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pad_single_row = cpu and weight.dtype == torch.bfloat16
-        self.use_layer_ops(cpu and weight.dtype == torch.float32 and layer_ops.available())
+        self.use_layer_ops(f32 and layer_ops.available())
 
     def use_layer_ops(self, enabled: bool) -> None:
         """Every norm's `add` and every rotary embedding through specserve.kernels.layer_ops

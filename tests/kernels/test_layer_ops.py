@@ -62,18 +62,14 @@ def test_top_logprobs_is_log_softmax_topk(shape, k):
     assert val[0, 0] == 0.0 and (val[0, 1:] == -torch.inf).all()
 
 
-def test_row_argmax_takes_the_kernel():
+def test_row_argmax_takes_the_kernel(monkeypatch):
     from specserve.sampling import row_argmax
 
-    calls = []
-    real = layer_ops.argmax
-    layer_ops.argmax = lambda x: calls.append(x.shape) or real(x)
-    try:
-        x = torch.randn(4, 49152)
-        assert torch.equal(row_argmax(x), x.argmax(-1))
-        assert torch.equal(row_argmax(x.double()), x.double().argmax(-1))  # not float32: PyTorch's
-    finally:
-        layer_ops.argmax = real
+    calls, real = [], layer_ops.argmax
+    monkeypatch.setattr(layer_ops, "argmax", lambda x: calls.append(x.shape) or real(x))
+    x = torch.randn(4, 49152)
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    assert torch.equal(row_argmax(x.double()), x.double().argmax(-1))  # not float32: PyTorch's
     assert calls == [(4, 49152)]
 
 
