@@ -16,6 +16,10 @@
  *     log-softmax values, x - (max + log(sum(exp(x - max)))), exp by a degree-6 polynomial
  *     (relative error ~1e-7): one read for the max and the top k, one for the sum. For drafting
  *     (EAGLE, Medusa), where PyTorch's log_softmax then topk cost ~25 us per 8k-wide row here.
+ * silu_mul: per row of [gate | up], silu(gate) * up = gate / (1 + exp(-gate)) * up, exp by the
+ *     same polynomial (over the whole float range here): a decode step's MLP in one call where
+ *     PyTorch's silu then mul cost ~20 us at one row here (a thread team woken for 1.5k floats).
+ *     Elementwise: a row's result depends on that row alone.
  * Compiled with -ffp-contract=off (cbuild.FLAGS): no product is fused into a sum.
  */
 #include <immintrin.h>
@@ -128,9 +132,10 @@ void argmax(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * row_stride, n);
 }
 
-/* exp(x) for x <= 0 in 8 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2; below -87 it is ~0. */
-static inline __m256 exp_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+/* exp(x) in 8 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2; x clamped to [-87, 88] (below -87
+ * it is ~0; above 88 it would overflow). */
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                              _mm256_set1_ps(0.5f)));
     __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
@@ -176,7 +181,7 @@ static void top_row(const float *x, int64_t n, int64_t k, float *val, int64_t *i
     const __m256 vm = _mm256_set1_ps(m);
     __m256 acc = _mm256_setzero_ps();
     for (i = 0; i + 8 <= n; i += 8)
-        acc = _mm256_add_ps(acc, exp_neg(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
+        acc = _mm256_add_ps(acc, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
     float sum = hsum(acc);
     for (; i < n; i++) sum += expf(x[i] - m);
     const float lse = m + logf(sum);
@@ -188,4 +193,21 @@ void top_logprobs(const float *x, int64_t rows, int64_t n, int64_t row_stride, i
                   int64_t *idx, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows > 1 && rows * n >= 4 * PARALLEL_MIN) schedule(static)
     for (int64_t r = 0; r < rows; r++) top_row(x + r * row_stride, n, k, val + r * k, idx + r * k);
+}
+
+/* gate_up: [rows, 2 * inter] contiguous, each row gate then up; out: [rows, inter] contiguous. */
+void silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_MIN) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            __m256 vg = _mm256_loadu_ps(g + i);
+            __m256 e = exp_ps(_mm256_sub_ps(zero, vg));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
 }

@@ -1,12 +1,13 @@
 """A decoder layer's small float32 ops on x86 CPUs, one C call each (`layer_ops.c`), and the
 vocabulary argmax of sampling and verification.
 
-At a few rows a layer's RMS norms, residual adds and rotary embedding cost PyTorch some twenty
-dispatches of a few microseconds each, more than their arithmetic; here they are three calls
-per layer. `rms_norm` sums the residual in (the same additions as PyTorch's) and normalises
-each row with its own fixed summation order (batch-invariant, not PyTorch's bits); `rotary_`
-computes exactly PyTorch's rotate-half expression (the same bits); `argmax` gives exactly
-torch.argmax's indices, in a fraction of its time over a vocabulary. Built and loaded by
+At a few rows a layer's RMS norms, residual adds, rotary embedding and MLP activation cost
+PyTorch some twenty dispatches of a few microseconds each, more than their arithmetic; here
+they are four calls per layer. `rms_norm` sums the residual in (the same additions as
+PyTorch's) and normalises each row with its own fixed summation order (batch-invariant, not
+PyTorch's bits); `rotary_` computes exactly PyTorch's rotate-half expression (the same bits);
+`silu_mul` is the MLP's silu(gate) * up (to ~1e-7); `argmax` gives exactly torch.argmax's
+indices, in a fraction of its time over a vocabulary. Built and loaded by
 specserve.kernels.cbuild; `available()` says whether they can run here.
 """
 
@@ -30,6 +31,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.argmax.restype = None
     lib.top_logprobs.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
     lib.top_logprobs.restype = None
+    lib.silu_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    lib.silu_mul.restype = None
 
 
 _kernel = Kernel(Path(__file__).with_name("layer_ops.c"), _declare)
@@ -80,3 +83,13 @@ def top_logprobs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     _kernel.lib.top_logprobs(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, val.data_ptr(), idx.data_ptr(),
                              torch.get_num_threads())
     return val, idx
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [rows, 2 * inter] float32 contiguous (each row gate then up) -> silu(gate) * up,
+    [rows, inter] float32 (to ~1e-7 of PyTorch's)."""
+    assert gate_up.dim() == 2 and gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0
+    inter = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], inter)
+    _kernel.lib.silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr(), torch.get_num_threads())
+    return out

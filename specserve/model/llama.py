@@ -156,8 +156,11 @@ class MLP(nn.Module):
         self.intermediate = arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.fused = False  # silu(gate) * up in one layer_ops call: see LlamaForCausalLM.use_layer_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -234,8 +237,8 @@ class LlamaForCausalLM(nn.Module):
         the head keeps a transposed copy. CPU bfloat16: oneDNN is faster with the nn.Linear
         layout, and one-row products go through the many-row GEMM (see `Linear`) so that every
         row's result is independent of the batch. CUDA: none of these. CPU float32 where our
-        kernels build: the RMS norms with their residual adds and the rotary embedding in one C
-        call each (specserve.kernels.layer_ops; a few rows paid ~20 dispatches per layer).
+        kernels build: the RMS norms with their residual adds, the rotary embedding and the MLP
+        activation in one C call each (specserve.kernels.layer_ops; a few rows paid ~20 dispatches per layer).
         """
         from specserve.model.quant import f32_kernel_pays
 
@@ -256,11 +259,11 @@ class LlamaForCausalLM(nn.Module):
         self.use_layer_ops(f32 and layer_ops.available())
 
     def use_layer_ops(self, enabled: bool) -> None:
-        """Every norm's `add` and every rotary embedding through specserve.kernels.layer_ops
-        (CPU float32; rotary only where no q/k norm comes between projection and rotation),
-        or through PyTorch ops."""
+        """Every norm's `add`, every rotary embedding and every MLP activation through
+        specserve.kernels.layer_ops (CPU float32; rotary only where no q/k norm comes between
+        projection and rotation), or through PyTorch ops."""
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, MLP)):
                 module.fused = enabled
             elif isinstance(module, Attention):
                 module.fused_rotary = enabled and module.q_norm is None

@@ -1,14 +1,15 @@
 """A layer's small ops in C (specserve/kernels/layer_ops.c): the rotary embedding gives
 PyTorch's bits, the RMS norm with its residual add matches PyTorch's and gives every row the
-same bits whatever the batch, the vocabulary argmax is torch.argmax's answer (ties and NaN
-included), and the model that uses them decodes as the one that does not."""
+same bits whatever the batch, the MLP activation matches PyTorch's, the vocabulary argmax is
+torch.argmax's answer (ties and NaN included), and the model that uses them decodes as the one
+that does not."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specserve.kernels import layer_ops
-from specserve.model.llama import Attention, RMSNorm, RotaryEmbedding
+from specserve.model.llama import MLP, Attention, RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not layer_ops.available(), reason="layer_ops kernel unavailable")
 
@@ -88,10 +89,21 @@ def test_rms_norm_with_residual(dim):
         assert torch.equal(layer_ops.rms_norm(x[lo:hi], w, 1e-5, res[lo:hi])[0], out[lo:hi])
 
 
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 36), (80, 520)])
+def test_silu_mul_is_torch_to_float_precision(rows, inter):
+    g = torch.Generator().manual_seed(inter)
+    gate_up = 6 * torch.randn(rows, 2 * inter, generator=g)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # the range ends and zero
+    gate, up = gate_up.split(inter, -1)
+    got = layer_ops.silu_mul(gate_up)
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=1e-6, rtol=2e-6)
+    assert torch.equal(layer_ops.silu_mul(gate_up[-1:].contiguous()), got[-1:])  # a row alone: the same bits
+
+
 def test_model_uses_them_on_cpu_float32(make_llm, tiny_model_dir, monkeypatch):
     from specserve import SamplingParams
 
-    calls = {"rms_norm": 0, "rotary_": 0}
+    calls = {"rms_norm": 0, "rotary_": 0, "silu_mul": 0}
     for name in calls:
         def counted(*args, _fn=getattr(layer_ops, name), _name=name):
             calls[_name] += 1
@@ -102,10 +114,12 @@ def test_model_uses_them_on_cpu_float32(make_llm, tiny_model_dir, monkeypatch):
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.fused for m in norms)
     assert all(m.fused_rotary for m in model.modules() if isinstance(m, Attention))
+    assert all(m.fused for m in model.modules() if isinstance(m, MLP))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     fused = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
     layers = len(model.layers)
     assert calls["rms_norm"] >= 2 * layers + 1 and calls["rotary_"] >= layers  # per forward at least
+    assert calls["silu_mul"] >= layers
     model.use_layer_ops(False)
     before = dict(calls)
     plain = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
