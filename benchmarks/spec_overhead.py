@@ -144,10 +144,10 @@ def measure(llm, batch: int, max_tokens: int, seed: int = 0, vocab: int = 512, r
 
 
 def _time_draft_network(engine, total: list[float]) -> list:
-    """Adds to total[0] the seconds of the proposer's network: the forward of an EAGLE head,
-    Medusa heads or a draft model and their LM head products (the proposer's `_lm_head` /
-    `lm_head`, Medusa's `heads.logits`, the draft model's `compute_logits`), nested calls
-    counted once. Each is wrapped as an instance attribute, not a forward hook: hooks send
+    """Adds to total[0] the seconds of the proposer's network: the forward of an EAGLE head (its
+    `draft` pass), Medusa heads or a draft model and their LM head products (the proposer's
+    `_lm_head` / `lm_head`, Medusa's `heads.logits`, the draft model's `compute_logits`),
+    nested calls counted once. Each is wrapped as an instance attribute, not a forward hook: hooks send
     every module call down torch's slow path, whose extra time would count as machinery.
     Works on any checkout whose engine keeps its proposer at engine.spec.proposer. Returns
     the callables that undo it."""
@@ -159,7 +159,8 @@ def _time_draft_network(engine, total: list[float]) -> list:
     targets = [(m, "forward") for m in (getattr(proposer, "head", None), heads, model) if m is not None]
     if heads is not None and type(heads).forward is nn.ModuleList.forward:
         targets = [(m, "forward") for head in heads for m in head]  # older Medusa: blocks called one by one
-    targets += [(proposer, "_lm_head"), (proposer, "lm_head"), (heads, "logits"), (model, "compute_logits")]
+    targets += [(proposer, "draft"), (proposer, "_lm_head"), (proposer, "lm_head"), (heads, "logits"),
+                (model, "compute_logits")]
     depth, started = [0], [0.0]
     undo = []
     for owner, name in targets:

@@ -18,10 +18,12 @@ from specserve.request import Request, SamplingParams
 from specserve.spec_decode.cost_model import Curve
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.eagle import DEFAULT_EAGLE_DIR, EagleProposer
-from specserve.spec_decode.eagle_head import EagleHead, HeadKV, Segment
+from specserve.kernels import cpu_linear, layer_ops
+from specserve.spec_decode.eagle_head import DraftPass, EagleHead, HeadKV, Segment
 from specserve.spec_decode.heads_io import load_eagle
 from specserve.spec_decode.training.checkpoints import save_eagle
 from specserve.spec_decode.policy import PROBE_FIRST
+from specserve.spec_decode.quant import draft_linear
 from tests.spec_helpers import check_tree
 
 TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
@@ -247,18 +249,18 @@ def _count_head_passes(llm, window: int | None = None) -> list[list[int]]:
     spec.policy.draft_cost = Curve({1: 100.0})
     if window is not None:
         spec.proposer.window = window
-    head, passes = spec.proposer.head, []
-    forward, step = head.forward, llm.engine.step
+    prop, passes = spec.proposer, []
+    draft, step = prop.draft, llm.engine.step
 
-    def counted(*args, **kwargs):
-        passes[-1].append(sum(s.rows for s in kwargs["segments"]))
-        return forward(*args, **kwargs)
+    def counted(*args):
+        passes[-1].append(sum(s.rows for s in args[-1]))
+        return draft(*args)
 
     def counted_step():
         passes.append([])
         return step()
 
-    head.forward, llm.engine.step = counted, counted_step
+    prop.draft, llm.engine.step = counted, counted_step
     return passes
 
 
@@ -323,8 +325,8 @@ def test_tree_config_keys_reach_the_proposer(tmp_path):
     assert SpecConfig.parse('{"method": "eagle"}').num_speculative_tokens == 8
     assert SpecConfig.parse("none").method is None and SpecConfig.parse("auto").method == "auto"
     prop = make(extra={"quantization": "int8"})
-    assert isinstance(prop.head.fc, Int8Linear) and isinstance(prop._lm_head, Int8Linear)
-    assert type(make(extra={"quantization": "none"}).head.fc) is torch.nn.Linear
+    assert isinstance(prop.draft.fc, Int8Linear) and isinstance(prop._lm_head, Int8Linear)
+    assert not isinstance(make(extra={"quantization": "none"}).draft.fc, Int8Linear)
     with pytest.raises(ValueError, match="quantization"):
         make(extra={"quantization": "int4"})
 
@@ -375,22 +377,28 @@ def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
         check_tree(DraftTree([5, 5], [-1, -1]))
 
 
-def test_head_kv_buffers_match_the_head_over_the_whole_sequence():
-    """Drafting feeds the head a few pairs at a time through HeadKV (grown as it fills, read in
-    place); the outputs equal one causal pass over the whole sequence."""
+@pytest.mark.parametrize("f32_kernel,fused", [(False, False), (False, True), (True, True)])
+def test_draft_pass_over_head_kv_matches_the_head_over_the_whole_sequence(f32_kernel, fused):
+    """Drafting (DraftPass: fused products, our float32 kernel or PyTorch's, layer_ops or not)
+    feeds the head a few pairs at a time through HeadKV (grown as it fills, read in place); the
+    outputs equal the training network's one causal pass over the whole sequence."""
+    if (f32_kernel and not cpu_linear.available()) or (fused and not layer_ops.available()):
+        pytest.skip("CPU kernels unavailable")
     torch.manual_seed(0)
     head = EagleHead(ModelArch.from_dict(HEAD))
+    draft = DraftPass(head, lambda w, b: draft_linear(w, b, False, f32_kernel))
+    draft.fused = fused
     t, hidden = 150, TINY["hidden_size"]
     feats, embeds, pos = torch.randn(1, t, hidden), torch.randn(1, t, hidden), torch.arange(t)
     with torch.no_grad():
         whole = head(feats, embeds, pos)[0][0]
-        buffers, outs, start = HeadKV(), [], 0
-        for size in (5, 1, 60, 2, 82):  # grows past 64 and 128 entries
-            end = start + size
-            outs.append(head(feats[0, start:end], embeds[0, start:end], pos[start:end],
-                             segments=[Segment(buffers, start, size, None)])[0])
-            start = end
-    torch.testing.assert_close(torch.cat(outs), whole)
+    buffers, outs, start = HeadKV(), [], 0
+    for size in (5, 1, 60, 2, 82):  # grows past 64 and 128 entries
+        end = start + size
+        outs.append(draft(feats[0, start:end], embeds[0, start:end], pos[start:end],
+                          [Segment(buffers, start, size, None)]))
+        start = end
+    torch.testing.assert_close(torch.cat(outs), whole, atol=1e-5, rtol=1e-5)
 
 
 def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):

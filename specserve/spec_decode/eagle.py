@@ -38,8 +38,8 @@ from specserve.config import DEFAULT_DRAFTS
 from specserve.host import int_tensor
 from specserve.sampling import top_logprobs
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
-from specserve.spec_decode.eagle_head import HeadKV, Segment
-from specserve.spec_decode.quant import draft_lm_head
+from specserve.spec_decode.eagle_head import DraftPass, HeadKV, Segment
+from specserve.spec_decode.quant import draft_linear, draft_lm_head, f32_kernel_for
 
 DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smollm2-135m"
 CATCH_UP_WINDOW = 32  # most pairs a catch-up runs per request after a gap (a head gated off for
@@ -93,7 +93,9 @@ class EagleProposer:
         self.head.rotary.float()
         self.embed = (embed.to(self.device, self.dtype) if embed is not None
                       else target_model.embed_tokens.weight)
-        self._lm_head, self.d2t = draft_lm_head(self.head, param, d2t, quantize)  # spec_decode.quant
+        f32_kernel = not quantize and f32_kernel_for(param, head.arch.hidden_size, head.arch.intermediate_size)
+        self.draft = DraftPass(self.head, lambda w, b: draft_linear(w, b, quantize, f32_kernel))
+        self._lm_head, self.d2t = draft_lm_head(None, param, d2t, quantize, f32_kernel)  # spec_decode.quant
         self.cache: dict[str, _HeadCache] = {}
         self.window, self.prompt_window = CATCH_UP_WINDOW, PROMPT_WINDOW
 
@@ -120,8 +122,7 @@ class EagleProposer:
     def _pass(self, feats: torch.Tensor, index: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """One head pass over the rows of several requests: feats [N, hidden], index [>= 2, N]
         (token ids, positions) -> outputs [N, hidden]."""
-        out, _, _ = self.head(feats, self.embed.index_select(0, index[0]), index[1], segments=segments)
-        return out
+        return self.draft(feats, self.embed.index_select(0, index[0]), index[1], segments)
 
     def _catch_up(self, caches: list[_HeadCache], token_ids: list[list[int]]) -> None:
         """Run the head over every committed pair up to the last token of each request, in one

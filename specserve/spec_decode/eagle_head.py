@@ -13,7 +13,8 @@ and the target's own LM head turns f_hat into draft logits (no final norm). Para
 follow the public EAGLE-1 checkpoint layout (`fc.*`, `layers.0.self_attn.q_proj.weight`, ...),
 so `state_dict()` of this module is such a checkpoint.
 
-This module is the network only: the per-request KV cache and tree expansion live in
+`DraftPass` runs the same network for drafting, over several requests' rows at once. This
+module is the network only: the per-request KV cache and tree expansion live in
 specserve.spec_decode.eagle, checkpoint files in specserve.spec_decode.heads_io.
 """
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels import layer_ops
 from specserve.model.arch import ModelArch
 from specserve.model.llama import RMSNorm, RotaryEmbedding
 
@@ -76,27 +78,15 @@ class HeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 past_k: torch.Tensor | None, past_v: torch.Tensor | None,
-                mask: torch.Tensor | None, segments: list[Segment] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Training: x [B, T, hidden]; cos/sin [T, 1, D/2] (or [B, T, 1, D/2]); past_k/v
-        [B, P, Hkv, D]; mask [B or 1, T, P+T] bool or None (causal over T, P must be 0).
-        Drafting (`segments`): x [N, hidden], the rows of several requests one after another,
-        cos/sin [N, 1, D/2]; each request's new K/V go to its HeadKV and its rows attend there.
-        Returns (out, k, v) with k rotated ([B, T, Hkv, D], or [N, Hkv, D] drafting)."""
-        lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.num_kv, self.head_dim)
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden]; cos/sin [T, 1, D/2] (or [B, T, 1, D/2]); past_k/v [B, P, Hkv, D];
+        mask [B or 1, T, P+T] bool or None (causal over T, P must be 0). Returns (out, k, v),
+        k rotated, [B, T, Hkv, D]."""
+        b, t = x.shape[:-1]
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv, self.head_dim)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        if segments is not None:
-            outs, at = [], 0
-            for seg in segments:
-                rows = slice(at, at + seg.rows)
-                outs.append(self._attend_in_place(q[rows], *seg.kv.write(seg.past, k[rows], v[rows]),
-                                                  seg.mask, seg.past))
-                at += seg.rows
-            return self.o_proj(torch.cat(outs)), k, v
-        b, t = lead
         keys = k if past_k is None else torch.cat([past_k, k], 1)
         values = v if past_v is None else torch.cat([past_v, v], 1)
         group = self.num_heads // self.num_kv
@@ -108,16 +98,6 @@ class HeadAttention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None])
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
-
-    def _attend_in_place(self, q, keys, values, mask, past: int) -> torch.Tensor:
-        """q [T, H, D] against keys/values [Hkv, S, D] read in place (SDPA's grouped-query
-        mode, 4-D: on CPU the 3-D or repeated-K/V forms take the slow math kernel) -> [T, H*D]."""
-        t = q.shape[0]
-        if mask is None and t > 1:  # causal over the new entries after the past ones
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                             attn_mask=mask, enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(t, -1)
 
 
 class HeadMLP(nn.Module):
@@ -139,9 +119,9 @@ class HeadLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = HeadMLP(arch)
 
-    def forward(self, x, cos, sin, past_k, past_v, mask, segments=None):
+    def forward(self, x, cos, sin, past_k, past_v, mask):
         a_in = x if self.input_layernorm is None else self.input_layernorm(x)
-        a, k, v = self.self_attn(a_in, cos, sin, past_k, past_v, mask, segments)
+        a, k, v = self.self_attn(a_in, cos, sin, past_k, past_v, mask)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
@@ -160,15 +140,82 @@ class EagleHead(nn.Module):
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, segments: list[Segment] | None = None):
-        """Training: features, embeds [B, T, hidden]; positions [T] (or [B, T]) int64; the past
-        as past_k/past_v. Drafting: features, embeds [N, hidden], positions [N], the rows of
-        several requests by `segments` (HeadAttention). Returns (predicted next features, new
-        keys, new values)."""
+                mask: torch.Tensor | None = None):
+        """features, embeds [B, T, hidden]; positions [T] (or [B, T]) int64; the past as
+        past_k/past_v. Returns (predicted next features, new keys, new values). Drafting runs
+        the same network as a `DraftPass`."""
         x = self.fc(torch.cat([embeds, features], -1))
         cos, sin = self.rotary.table(positions.reshape(-1), x.dtype)
         if positions.dim() == 2:
             cos = cos.view(*positions.shape, 1, -1)
             sin = sin.view(*positions.shape, 1, -1)
-        return self.layers[0](x, cos, sin, past_k, past_v, mask, segments)
+        return self.layers[0](x, cos, sin, past_k, past_v, mask)
+
+
+class DraftPass:
+    """The head as drafting runs it, over the rows of several requests at once: x [N, hidden]
+    one request's rows after another, each request's new K/V written to its HeadKV and its
+    rows attending there in place (`Segment`). The same network as EagleHead.forward, built
+    from its weights: q/k/v and gate/up fused into one product each, every product a
+    `linear(weight, bias)` (int8, our float32 kernel or PyTorch's: spec_decode.quant), and on
+    a CPU float32 head the rotary embedding, the residual add with its norm and the MLP
+    activation in one layer_ops call each. At a pass of a few rows the head's time is
+    dispatches, not arithmetic (EagleHead.forward: ~1.2 ms a pass here, for ~0.3 ms of
+    products)."""
+
+    def __init__(self, head: EagleHead, linear) -> None:
+        layer = head.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        self.heads, self.num_kv, self.head_dim = attn.num_heads, attn.num_kv, attn.head_dim
+        self.q_size, self.kv_size = attn.num_heads * attn.head_dim, attn.num_kv * attn.head_dim
+        self.intermediate = mlp.gate_proj.out_features
+        w = head.fc.weight
+        biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        self.fc = linear(w, head.fc.bias)
+        self.qkv = linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                          None if biases[0] is None else torch.cat(biases))
+        self.o = linear(attn.o_proj.weight, None)
+        self.gate_up = linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None)
+        self.down = linear(mlp.down_proj.weight, None)
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.rotary = head.rotary
+        self.fused = w.device.type == "cpu" and w.dtype == torch.float32 and layer_ops.available()
+
+    @torch.inference_mode()
+    def __call__(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                 segments: list[Segment]) -> torch.Tensor:
+        """features, embeds [N, hidden]; positions [N] -> predicted next features [N, hidden]."""
+        x = self.fc(torch.cat([embeds, features], -1))
+        cos, sin = self.rotary.table(positions, x.dtype)
+        qkv = self.qkv(x if self.input_norm is None else self.input_norm(x))
+        if self.fused:  # q and k lead each row: rotated in place
+            layer_ops.rotary_(qkv, self.heads + self.num_kv, self.head_dim, cos, sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, k = q.view(-1, self.heads, self.head_dim), k.view(-1, self.num_kv, self.head_dim)
+        v = v.view(-1, self.num_kv, self.head_dim)
+        if not self.fused:
+            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        outs, at = [], 0
+        for seg in segments:
+            rows = slice(at, at + seg.rows)
+            outs.append(_attend_in_place(q[rows], *seg.kv.write(seg.past, k[rows], v[rows]), seg.mask, seg.past))
+            at += seg.rows
+        a = self.o(torch.cat(outs) if len(outs) > 1 else outs[0])
+        if self.fused:
+            h, x = layer_ops.rms_norm(a, self.post_norm.weight, self.post_norm.eps, x)
+            return x + self.down(layer_ops.silu_mul(self.gate_up(h)))
+        x = x + a
+        gate, up = self.gate_up(self.post_norm(x)).split(self.intermediate, -1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def _attend_in_place(q, keys, values, mask, past: int) -> torch.Tensor:
+    """q [T, H, D] against keys/values [Hkv, S, D] read in place (SDPA's grouped-query mode,
+    4-D: on CPU the 3-D or repeated-K/V forms take the slow math kernel) -> [T, H*D]."""
+    t = q.shape[0]
+    if mask is None and t > 1:  # causal over the new entries after the past ones
+        mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                         attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(t, -1)
 

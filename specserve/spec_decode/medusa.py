@@ -16,7 +16,7 @@ from torch import nn
 from specserve.config import DEFAULT_DRAFTS
 from specserve.sampling import top_logprobs
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
-from specserve.spec_decode.quant import draft_lm_head
+from specserve.spec_decode.quant import draft_lm_head, f32_kernel_for
 
 
 class ResBlock(nn.Module):
@@ -109,7 +109,9 @@ class MedusaProposer:
         self.device, self.dtype = w.device, w.dtype
         heads, d2t = load_medusa(heads_dir, target_model.arch)
         self.heads = heads.to(self.device, self.dtype)
-        self.lm_head, self.d2t = draft_lm_head(self.heads, w, d2t, quantize)  # spec_decode.quant
+        f32_kernel = not quantize and f32_kernel_for(w, target_model.arch.hidden_size,
+                                                     target_model.arch.intermediate_size)
+        self.lm_head, self.d2t = draft_lm_head(self.heads, w, d2t, quantize, f32_kernel)  # spec_decode.quant
         if heads.vocab and not quantize:
             self.heads.fuse_lm_heads()
         paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)

@@ -2,29 +2,56 @@
 
 A head's passes are a few rows each, so on a CPU whose int8 weight-only kernel beats the
 model's dtype at a few rows (specserve.model.quant.int8_pays, measured at start) its linear
-layers and its LM head run in int8. Only the drafts change: verification uses the target's
-exact distribution, so output stays lossless whatever the draft proposes.
+layers and its LM head run in int8; else, on a CPU float32 model where our float32 kernel beats
+PyTorch's GEMM (specserve.model.quant.f32_kernel_pays, the target's own measurement), through
+that. Only the drafts change: verification uses the target's exact distribution, so output
+stays lossless whatever the draft proposes.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from specserve.model.quant import Int8Linear, int8_pays, quantize_linears
+from specserve.model.quant import Int8Linear, f32_kernel_pays, int8_pays, quantize_linears
 
 
-def draft_lm_head(heads: nn.Module, weight: torch.Tensor, d2t: torch.Tensor | None, quantize: bool):
-    """A draft's weights as its proposer uses them: the target's LM head weight [V, hidden],
+def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool, f32_kernel: bool):
+    """One product of a draft as drafting runs it, a callable [rows, K] -> [rows, N]: int8
+    (quantize), our float32 kernel (f32_kernel: see `f32_kernel_for`) or PyTorch's."""
+    if quantize:
+        return Int8Linear(weight, bias)
+    if f32_kernel:
+        from specserve.kernels.cpu_linear import PackedFloat32
+
+        return PackedFloat32(weight, bias)
+    weight, bias = weight.detach(), None if bias is None else bias.detach()
+    return lambda x: F.linear(x, weight, bias)
+
+
+def f32_kernel_for(weight: torch.Tensor, hidden: int, intermediate: int) -> bool:
+    """Whether a draft's float32 products on this CPU go through our kernel: where the target's
+    measurement at start (cached) found it faster than PyTorch's GEMM."""
+    from specserve.kernels import cpu_linear
+
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.available()
+            and f32_kernel_pays(hidden, intermediate))
+
+
+def draft_lm_head(heads: nn.Module | None, weight: torch.Tensor, d2t: torch.Tensor | None, quantize: bool,
+                  f32_kernel: bool = False):
+    """A draft's LM head as its proposer uses it: the target's LM head weight [V, hidden],
     restricted to the draft vocabulary d2t when there is one; with quantize, it and every
-    nn.Linear of heads (in place) in int8. Returns (the LM head, a callable [rows, hidden] ->
-    [rows, N]; d2t on the weight's device or None)."""
+    nn.Linear of heads (in place; None: no other layers) in int8. Returns (the LM head, a
+    callable [rows, hidden] -> [rows, N]; d2t on the weight's device or None)."""
     if d2t is not None:
         d2t = d2t.to(weight.device)
         weight = weight.index_select(0, d2t)
-    if quantize:
+    if quantize and heads is not None:
         quantize_linears(heads)
-        return Int8Linear(weight, None), d2t
+    if quantize or f32_kernel:
+        return draft_linear(weight, None, quantize, f32_kernel), d2t
     weight_t = weight.t().contiguous()  # [hidden, N]: skinny products read it faster
     return (lambda x: x @ weight_t), d2t
 
