@@ -226,6 +226,20 @@ def test_speculation_measured_slower_is_switched_off_and_probed():
     assert run_realized(Realized(), 1, 200, spec_cost=1.1).count(True) <= MIN_SAMPLES + 3 * PROBE_RUN  # batch 1 too
 
 
+def test_speculation_judged_on_tokens_over_time_not_on_per_step_ratios():
+    """Steps with drafts that alternate one and four tokens at 1.6 plain steps each give 0.64
+    s per token: a win, although the mean of the steps' own seconds per token (1.6 and 0.4)
+    is a plain step's."""
+    gate, modes = Realized(), []
+    for i in range(300):
+        spec = gate.speculate(1)
+        modes.append(spec)
+        tokens = (1, 4)[i % 2] if spec else 1
+        gate.observe(1, spec, 1.6 if spec else 1.0, tokens, 1.0)
+    assert gate.rate(1) == pytest.approx(1.6 / 2.5, rel=0.05)
+    assert modes[-100:].count(False) <= 2
+
+
 def test_speculation_measured_faster_stays_on_with_rare_plain_samples():
     gate = Realized()
     modes = run_realized(gate, 1, 300, spec_cost=0.6, spec_tokens=2.0)

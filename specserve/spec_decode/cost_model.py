@@ -11,7 +11,8 @@ always predicted against the plain step of its own B, so the two move together.
 
 `Realized` checks the model's decisions against the wall clock: per batch-size bucket, whole
 steps with speculation against plain ones, in seconds per token over the model's plain step
-time. Where speculation measures slower it is switched off and tried again in short runs at
+time (speculation's as a ratio of decayed sums: per-step ratios would overstate its cost).
+Where speculation measures slower it is switched off and tried again in short runs at
 doubling intervals: a model error cannot cost more than a probe.
 
 `Curve` is the table behind both and behind drafting costs. Nothing here is a constant true of
@@ -212,11 +213,21 @@ class _Off:
 
 
 class Realized:
-    """Whether steps with speculation are faster than plain steps, as measured end to end."""
+    """Whether steps with speculation are faster than plain steps, as measured end to end.
 
-    def __init__(self, margin: float = 0.02) -> None:
+    A bucket's speculative rate is a ratio of sums, seconds over tokens, each step's seconds
+    relative to the model's plain step time: a step with drafts emits 1 to k + 1 tokens per
+    request, and a mean of per-step seconds per token would count a one-token step's time
+    once in full, making speculation that alternates one and four tokens per step look as
+    slow as plain. The sums decay at every step of the bucket, plain ones included, so that
+    after a long plain stretch a probe run's few steps outweigh what was measured before it.
+    Plain steps emit one token per request: their mean of seconds per token is exact."""
+
+    def __init__(self, margin: float = 0.02, decay: float = 0.95) -> None:
         self.margin = margin  # speculation must beat plain by this much to stay on
-        self.ema: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> relative s/token
+        self.decay = decay
+        self.plain: dict[int, float] = {}  # bucket -> EMA of relative seconds per token, plain steps
+        self.spec: dict[int, list[float]] = {}  # bucket -> decayed sums [relative seconds, tokens per request]
         self.count: dict[tuple[int, bool], int] = {}
         self.off: dict[int, _Off] = {}
         self.since_plain: dict[int, int] = {}
@@ -228,16 +239,28 @@ class Realized:
     def observe(self, batch: int, speculated: bool, seconds: float, tokens: int, plain_time: float) -> None:
         """A whole decode step of `batch` requests emitting `tokens`; plain_time: the model's
         prediction of a plain step of that batch."""
-        key = (self.bucket(batch), speculated)
-        value = seconds * batch / max(1, tokens) / plain_time
-        n = self.count[key] = self.count.get(key, 0) + 1
-        self.ema[key] = value if n == 1 else 0.8 * self.ema[key] + 0.2 * value
-        self.since_plain[key[0]] = self.since_plain.get(key[0], 0) + 1 if speculated else 0
+        b = self.bucket(batch)
+        n = self.count[(b, speculated)] = self.count.get((b, speculated), 0) + 1
+        sums = self.spec.setdefault(b, [0.0, 0.0])
+        sums[0] *= self.decay
+        sums[1] *= self.decay
+        if speculated:
+            sums[0] += seconds / plain_time
+            sums[1] += tokens / batch
+        else:
+            value = seconds * batch / max(1, tokens) / plain_time
+            self.plain[b] = value if n == 1 else 0.8 * self.plain[b] + 0.2 * value
+        self.since_plain[b] = self.since_plain.get(b, 0) + 1 if speculated else 0
+
+    def rate(self, batch: int) -> float | None:
+        """The bucket's measured relative seconds per token with speculation (None: no sample)."""
+        seconds, tokens = self.spec.get(self.bucket(batch), (0.0, 0.0))
+        return seconds / tokens if tokens > 0 else None
 
     def speculate(self, batch: int) -> bool:
         """Whether the next step of `batch` requests should speculate."""
         b = self.bucket(batch)
-        spec, plain = self.ema.get((b, True)), self.ema.get((b, False))
+        spec, plain = self.rate(batch), self.plain.get(b)
         if plain is None or self.since_plain.get(b, 0) >= PLAIN_SAMPLE_EVERY:
             return False  # measure a plain step
         if spec is None or self.count[(b, True)] < MIN_SAMPLES or spec * (1 + self.margin) <= plain:
