@@ -22,8 +22,8 @@ MAX_ROWS = 16  # query tokens per request (MAX_ROWS)
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr,
-                                    ptr, i64, ctypes.c_float, ptr, ctypes.c_int]
+    lib.paged_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr,
+                                    ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.paged_attention.restype = ctypes.c_int
 
 
@@ -47,29 +47,40 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start: torch.Tensor, dense: torch.Tensor,
                     extra_ptr: torch.Tensor, extra_pos: torch.Tensor, max_keys: int,
-                    scale: float) -> torch.Tensor:
-    """q [T, Hq, D] float32; caches [num_blocks, block_size, Hkv, D] (contiguous); block_tables
-    [B, max_blocks], query_start [B + 1] (at most MAX_ROWS tokens per request), dense [T],
-    extra_ptr [T + 1], extra_pos: int64 -> out [T, Hq, D]. Token t of request b sees positions
-    0 .. dense[t] - 1 of b's context, then extra_pos[extra_ptr[t]:extra_ptr[t + 1]]; max_keys
-    bounds dense + extras over the tokens."""
+                    scale: float, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                    slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] float32 (rows may be strided: a view of the fused q/k/v product); caches
+    [num_blocks, block_size, Hkv, D] (contiguous); block_tables [B, max_blocks], query_start
+    [B + 1] (at most MAX_ROWS tokens per request), dense [T], extra_ptr [T + 1], extra_pos:
+    int64 -> out [T, Hq, D]. Token t of request b sees positions 0 .. dense[t] - 1 of b's
+    context, then extra_pos[extra_ptr[t]:extra_ptr[t + 1]]; max_keys bounds dense + extras over
+    the tokens. With k, v [T, Hkv, D] (views of one product, the same row stride) and
+    slot_mapping [T] int64, the step's new keys and values are written to the caches first, in
+    the same call."""
     lib = _kernel.lib
     assert lib is not None, _kernel.why_unavailable()
-    q = q.contiguous()
     num_tokens, num_heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
     _, block_size, num_kv, _ = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype == torch.float32):
         raise ValueError("paged_attention: float32 query and contiguous float32 caches expected")
-    for t in (block_tables, query_start, dense, extra_ptr, extra_pos):
+    new = (0, 0, 0, 0)
+    if k is not None:
+        if not (k.stride() == v.stride() and k.stride(2) == 1 and k.stride(1) == head_dim
+                and k.shape == v.shape == (num_tokens, num_kv, head_dim) and k.dtype == v.dtype == torch.float32):
+            k, v = k.contiguous(), v.contiguous()  # (the same strides after)
+        new = (k.data_ptr(), v.data_ptr(), k.stride(0), slot_mapping.data_ptr())
+    for t in (block_tables, query_start, dense, extra_ptr, extra_pos) + (() if k is None else (slot_mapping,)):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError("paged_attention: index tensors must be contiguous int64")
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     if num_tokens:
-        rc = lib.paged_attention(q.data_ptr(), len(query_start) - 1, num_heads, num_kv, head_dim,
+        rc = lib.paged_attention(q.data_ptr(), q.stride(0), len(query_start) - 1, num_heads, num_kv, head_dim,
                                  k_cache.data_ptr(), v_cache.data_ptr(), block_size,
                                  block_tables.data_ptr(), block_tables.shape[1], query_start.data_ptr(),
                                  dense.data_ptr(), extra_ptr.data_ptr(), extra_pos.data_ptr(),
-                                 max_keys, scale, out.data_ptr(), torch.get_num_threads())
+                                 max_keys, scale, *new, out.data_ptr(), torch.get_num_threads())
         if rc == -2:
             raise ValueError(f"paged_attention: at most {MAX_ROWS} query tokens per request")
         if rc != 0:

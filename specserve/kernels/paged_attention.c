@@ -22,6 +22,7 @@
 #include "simd.h"
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_GROUP 16 /* query heads per KV head */
 #define MAX_ROWS 16 /* query tokens per request */
@@ -80,7 +81,7 @@ static float softmax_numerators(float *s, int64_t n) {
  * row sees (positions below `shared`) are read once for all of them; each row's own further
  * keys after. Row (t, g) has n_t = dense[t] + extras keys, indexed j in position-list order,
  * and every sum over them runs in that order, so its bits do not depend on the other rows. */
-static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t Hq, int64_t Hkv,
+static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t q_stride, int64_t Hq, int64_t Hkv,
                      int64_t D, const float *k_cache, const float *v_cache, int64_t block_size,
                      const int64_t *table, const int64_t *dense, const int64_t *extra_ptr,
                      const int64_t *extra_pos, int64_t max_keys, float scale, float *out,
@@ -97,8 +98,8 @@ static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t 
         const float *k = k_cache + slots[j];
         int64_t r = 0;
         for (; r + 4 <= R; r += 4) { /* four rows' chains side by side */
-            const float *q0 = q + (t0 * Hq + h * G) * D;
-#define QROW(x) (q0 + (((x) / G) * Hq + (x) % G) * D)
+            const float *q0 = q + t0 * q_stride + h * G * D;
+#define QROW(x) (q0 + ((x) / G) * q_stride + ((x) % G) * D)
             const float *a = QROW(r), *b = QROW(r + 1), *c = QROW(r + 2), *d = QROW(r + 3);
 #undef QROW
             __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
@@ -116,7 +117,7 @@ static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t 
         }
         for (; r < R; r++) {
             const int64_t t = t0 + r / G, g = r % G;
-            scores[r * max_keys + j] = dot(q + (t * Hq + h * G + g) * D, k, vecs) * scale;
+            scores[r * max_keys + j] = dot(q + t * q_stride + (h * G + g) * D, k, vecs) * scale;
         }
     }
     for (int64_t t = t0; t < t1; t++) {
@@ -124,7 +125,7 @@ static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t 
         for (int64_t j = shared; j < n; j++) {
             const float *k = k_cache + SLOT(POS(t, j));
             for (int64_t g = 0; g < G; g++)
-                scores[((t - t0) * G + g) * max_keys + j] = dot(q + (t * Hq + h * G + g) * D, k, vecs) * scale;
+                scores[((t - t0) * G + g) * max_keys + j] = dot(q + t * q_stride + (h * G + g) * D, k, vecs) * scale;
         }
     }
     /* 2. probabilities (unnormalised) and their sums */
@@ -170,20 +171,30 @@ static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t 
         }
 }
 
-/* q, out: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks];
+/* q: T rows of q_stride floats, each starting with [Hq, D]; out: [T, Hq, D]; caches: [num_blocks,
+ * block_size, Hkv, D]; block_tables: [B, max_blocks];
  * query_start: [B + 1] (request b's tokens are query_start[b] .. query_start[b + 1] - 1, at most
  * MAX_ROWS); dense: [T]; extra_ptr: [T + 1]; extra_pos: [extra_ptr[T]]. D % 8 == 0,
  * Hq / Hkv <= MAX_GROUP, max_keys >= every token's dense + extras (checked by the caller).
+ * k_new, v_new (or NULL): the step's new keys and values, T rows of new_stride floats, each
+ * starting with [Hkv, D], written first to the cache slots slot_mapping[t] (the step's own rows
+ * then read them there): the write and the attention in one call.
  * Returns 0; -1 when scratch memory could not be allocated; -2 (before any work) when a request
  * has more than MAX_ROWS tokens. */
-int paged_attention(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                    const float *k_cache, const float *v_cache, int64_t block_size,
+int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                    float *k_cache, float *v_cache, int64_t block_size,
                     const int64_t *block_tables, int64_t max_blocks, const int64_t *query_start,
                     const int64_t *dense, const int64_t *extra_ptr, const int64_t *extra_pos,
-                    int64_t max_keys, float scale, float *out, int threads) {
+                    int64_t max_keys, float scale, const float *k_new, const float *v_new,
+                    int64_t new_stride, const int64_t *slot_mapping, float *out, int threads) {
     const int64_t G = Hq / Hkv, tasks = B * Hkv, rows = MAX_ROWS * G;
     for (int64_t b = 0; b < B; b++)
         if (query_start[b + 1] - query_start[b] > MAX_ROWS) return -2;
+    if (k_new)
+        for (int64_t t = 0; t < query_start[B]; t++) {
+            memcpy(k_cache + slot_mapping[t] * Hkv * D, k_new + t * new_stride, sizeof(float) * (size_t)(Hkv * D));
+            memcpy(v_cache + slot_mapping[t] * Hkv * D, v_new + t * new_stride, sizeof(float) * (size_t)(Hkv * D));
+        }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -199,7 +210,7 @@ int paged_attention(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t 
             if (!scores || !acc || !slots) continue;
             const int64_t b = i / Hkv, h = i % Hkv;
             if (query_start[b + 1] > query_start[b])
-                one_task(query_start[b], query_start[b + 1], h, q, Hq, Hkv, D, k_cache, v_cache,
+                one_task(query_start[b], query_start[b + 1], h, q, q_stride, Hq, Hkv, D, k_cache, v_cache,
                          block_size, block_tables + b * max_blocks, dense, extra_ptr, extra_pos,
                          max_keys, scale, out, scores, acc, slots);
         }

@@ -1,7 +1,8 @@
 """Our CPU paged-attention kernel (specserve/kernels/paged_attention.c) through its backend,
 CPUPagedAttention: decode, chain and tree rows read in place match the SDPA backend (itself
-checked against the references), a prefill chunk beside them takes the SDPA path, and a row's
-result is the same bits whatever the batch around it."""
+checked against the references), the kernel writes the step's K/V itself, a prefill chunk
+beside them takes the SDPA path, and a row's result is the same bits whatever the batch around
+it."""
 
 import pytest
 import torch
@@ -38,6 +39,30 @@ def test_decode_chain_and_tree_rows_match_sdpa(make_batch, heads):
     b = make_batch(q_lens, prefix, hq, hkv, d, 16, seed=4)
     out = attend(A.CPUPagedAttention(), b, q_lens, trees)
     torch.testing.assert_close(out, attend(A.TorchAttention(), b, q_lens, trees), atol=1e-5, rtol=1e-5)
+
+
+def test_the_kernel_writes_the_new_keys_and_values_from_views_of_one_product(make_batch):
+    """q, k and v as the model passes them (views of its fused q/k/v product, rows strided):
+    the kernel writes the step's K/V to their slots in the same call, then attends as SDPA."""
+    hq, hkv, d = 9, 3, 64
+    q_lens, prefix = [1, 4, 1], [40, 17, 5]
+    trees = [None, [-1, 0, 0, 1], None]
+    b = make_batch(q_lens, prefix, hq, hkv, d, 16, seed=7)
+    backend, sdpa = A.CPUPagedAttention(), A.TorchAttention()
+    meta, sdpa_meta = (x.build_metadata(b["seq_lens"].tolist(), q_lens, [r.tolist() for r in b["block_tables"]],
+                                        16, torch.device("cpu"), trees) for x in (backend, sdpa))
+    flat_k, flat_v = (c.view(-1, hkv, d) for c in (b["k_cache"], b["v_cache"]))
+    fused = torch.cat([b["q"].reshape(len(b["q"]), -1), flat_k[meta.slot_mapping].reshape(len(b["q"]), -1),
+                       flat_v[meta.slot_mapping].reshape(len(b["q"]), -1)], 1)
+    q, k, v = fused.split([hq * d, hkv * d, hkv * d], 1)
+    want = sdpa(q.reshape(-1, hq, d).contiguous(), k.reshape(-1, hkv, d).contiguous(),
+                v.reshape(-1, hkv, d).contiguous(), b["k_cache"].clone(), b["v_cache"].clone(), sdpa_meta, b["scale"])
+    flat_k[meta.slot_mapping], flat_v[meta.slot_mapping] = 0.0, 0.0  # only the kernel's write can restore them
+    got = backend(q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d), b["k_cache"], b["v_cache"], meta,
+                  b["scale"])
+    assert torch.equal(flat_k[meta.slot_mapping], k.reshape(-1, hkv, d))
+    assert torch.equal(flat_v[meta.slot_mapping], v.reshape(-1, hkv, d))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_prefill_chunk_beside_decodes_takes_the_sdpa_path(make_batch):

@@ -54,6 +54,13 @@ class CPUPagedAttention(TorchAttention):
                               else _build_dense(s, device, CPUPagedMetadata),
                               ([np.flatnonzero(short).tolist()] if short.any() else []) + groups)
 
+    def __call__(self, q, k, v, k_cache, v_cache, meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
+        if meta.parts is None and meta.query_start is not None:  # the kernel's rows only: it writes the K/V too
+            return cpu_attention.paged_attention(q, k_cache, v_cache, meta.table, meta.query_start, meta.dense,
+                                                 meta.extra_ptr, meta.extra_pos, meta.max_keys, scale,
+                                                 k, v, meta.slot_mapping)
+        return super().__call__(q, k, v, k_cache, v_cache, meta, scale)
+
     @staticmethod
     def _attend(q, k_cache, v_cache, meta: CPUPagedMetadata, scale: float) -> torch.Tensor:
         """One part of the step (TorchAttention.__call__ writes the K/V and splits the parts)."""
