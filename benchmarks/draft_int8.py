@@ -27,30 +27,32 @@ def best_us(fn, runs: int, inner: int = 20) -> float:
 
 
 def layer_table(full, int8, lm_weight, rows: list[int], runs: int) -> None:
-    """Each product of the head: full precision (full's weights; lm_weight [V', hidden] for the
-    LM head) against int8's layer."""
+    """Each product of the head as drafting runs it (DraftPass: q/k/v and gate/up fused): full
+    precision (full's weights; lm_weight [V', hidden] for the LM head) against int8's."""
     import torch
     import torch.nn.functional as F
 
     from specserve.model.quant import Int8Linear
 
-    def products(prop):
-        layer = prop.head.layers[0]
-        return {"fc": prop.head.fc, "q_proj": layer.self_attn.q_proj, "k_proj": layer.self_attn.k_proj,
-                "o_proj": layer.self_attn.o_proj, "gate_proj": layer.mlp.gate_proj,
-                "down_proj": layer.mlp.down_proj, "lm_head": prop._lm_head}
-
-    dense = products(full)
-    print(f"{'product':<11}{'in x out':>13}" + "".join(f"{r:>8} row{'s' if r > 1 else ' '}" for r in rows))
-    for name, q in products(int8).items():
+    layer = full.head.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    dense = {"fc": full.head.fc.weight,
+             "qkv_proj": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+             "o_proj": attn.o_proj.weight, "gate_up_proj": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+             "down_proj": mlp.down_proj.weight, "lm_head": lm_weight}
+    d = int8.draft
+    quantized = {"fc": d.fc, "qkv_proj": d.qkv, "o_proj": d.o, "gate_up_proj": d.gate_up, "down_proj": d.down,
+                 "lm_head": int8._lm_head}
+    print(f"{'product':<13}{'in x out':>13}" + "".join(f"{r:>8} row{'s' if r > 1 else ' '}" for r in rows))
+    for name, q in quantized.items():
         assert isinstance(q, Int8Linear)
-        weight = lm_weight if name == "lm_head" else dense[name].weight
+        weight = dense[name].detach()
         out_f, in_f = weight.shape
         cells = []
         for r in rows:
             x = torch.randn(r, in_f, dtype=weight.dtype)
             cells.append(f"{best_us(lambda: F.linear(x, weight), runs):5.0f}/{best_us(lambda: q(x), runs):<5.0f}")
-        print(f"{name:<11}{f'{in_f}x{out_f}':>13}" + "".join(f"{c:>13}" for c in cells))
+        print(f"{name:<13}{f'{in_f}x{out_f}':>13}" + "".join(f"{c:>13}" for c in cells))
     print(f"(µs, model dtype / int8 ({'own kernel' if q.own_kernel else 'torch'}); best of runs)")
 
 

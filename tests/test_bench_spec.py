@@ -76,5 +76,5 @@ def test_draft_int8_times_the_heads_products_and_proposals():
                           "--rows", "1", "8", "--runs", "1"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert {"fc", "q_proj", "gate_proj", "lm_head"} <= {line.split()[0] for line in lines[2:9]}
+    assert {"fc", "qkv_proj", "gate_up_proj", "lm_head"} <= {line.split()[0] for line in lines[2:8]}
     assert "proposal (m 8, depth 4, top-2)" in run.stdout and "int8" in lines[-1]

@@ -145,7 +145,7 @@ def test_f32_kernel_target_keeps_speculation_lossless(tmp_path, monkeypatch):
     import specserve.model.quant as quant
 
     monkeypatch.setattr(quant, "f32_kernel_pays", lambda hidden, intermediate: True)
-    plain = tiny_llm(tmp_path)
+    plain = tiny_llm(tmp_path, dtype="float32")  # "auto" is bfloat16 on a CPU with native bfloat16
     model = plain.engine.runner.model
     assert model.layers[0].mlp.down_proj.packed is not None and model.layers[0].mlp.down_proj.weight.numel() == 0
     assert isinstance(model.lm_head_kernel, cpu_linear.PackedFloat32) and model.lm_head.weight.numel() > 0
@@ -153,7 +153,7 @@ def test_f32_kernel_target_keeps_speculation_lossless(tmp_path, monkeypatch):
     head = str(write_eagle1(tmp_path / "head"))
     for config in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
                    {"method": "eagle", "model": head, "depth": 3, "topk": 2}):
-        llm = tiny_llm(tmp_path, {**config, "adaptive": False})  # drafts every step
+        llm = tiny_llm(tmp_path, {**config, "adaptive": False}, dtype="float32")  # drafts every step
         assert greedy_ids(llm) == want, config["method"]
         assert llm.engine.stats.spec_num_drafts > 0
 
