@@ -1,5 +1,6 @@
-"""Our CPU linear layers (specserve.kernels.cpu_linear): weight-only int8 (specserve.model.quant)
-and float32; draft-head formats (specserve.spec_decode.quant)."""
+"""Our CPU linear layers (specserve.kernels.cpu_linear): weight-only int8 (specserve.model.quant),
+float32, and float32 weights that are exactly GGUF Q4_1/Q8_0 blocks; draft-head formats
+(specserve.spec_decode.quant)."""
 
 import argparse
 
@@ -134,6 +135,71 @@ def test_f32_kernel_tracks_linear_and_gives_every_row_the_same_bits():
     for rows in (slice(0, 1), slice(5, 7), slice(7, 11), slice(11, 17)):  # every tile shape
         assert torch.equal(packed(x[rows]), y[rows])
     assert packed(x[None]).shape == (1, 19, 77)
+
+
+def gguf_like(fmt: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """[n, k] float32 weights as GGUF's dequantization makes them: per block of 32 along k,
+    d * q + m (Q4_1, q in 0..15) or d * q (Q8_0, q in -127..127), d and m float16."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    if fmt == "q4_1":
+        m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+        q[..., 0], q[..., 1] = 0, 15  # as a quantizer does: the block's extremes
+        return (d[..., None] * q + m[..., None]).reshape(n, k)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127
+    return (d[..., None] * q).reshape(n, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_gguf_blocks_give_the_float32_products_bit_for_bit(fmt):
+    w = gguf_like(fmt, 77, 96)  # 77: a last, partial strip of columns
+    bias = torch.randn(77)
+    packed, dense = cpu_linear.pack_float32(w, bias), cpu_linear.PackedFloat32(w, bias)
+    assert packed.format == fmt and packed.packed.numel() < 2 * w.numel()  # bytes: under half of float32, padding and all
+    x = torch.randn(19, 96)
+    for rows in (slice(0, 1), slice(1, 3), slice(3, 7), slice(7, 11), slice(0, 19)):  # every tile shape
+        assert torch.equal(packed(x[rows]).view(torch.int32), dense(x[rows]).view(torch.int32))
+    torch.testing.assert_close(packed(x), x @ w.T + bias, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_weights_that_are_not_exact_blocks_stay_float32():
+    w = gguf_like("q4_1", 64, 64)
+    w[5, 7] = torch.nextafter(w[5, 7], torch.tensor(1.0))  # one weight off by one unit in the last place
+    assert cpu_linear.pack_blocks(w) is None and cpu_linear.pack_float32(w, None).format == "f32"
+    assert cpu_linear.pack_blocks(torch.randn(64, 64)) is None
+    assert cpu_linear.pack_blocks(torch.randn(64, 40)) is None  # k not whole blocks
+    assert cpu_linear.pack_blocks(gguf_like("q8_0", 64, 64).half()) is None  # float32 only
+
+
+@needs_kernel
+def test_default_model_reads_its_gguf_blocks_and_decodes_as_float32(monkeypatch):
+    """The default model (a Q4_1 GGUF, embedding/LM head Q8_0) in float32: every projection in
+    Q4_1 blocks, the LM head in Q8_0, and greedy tokens with their logprobs exactly those of
+    the float32 weights through the same kernel."""
+    from specserve import LLM, SamplingParams
+
+    prompts = ["Explain how a hash table works.", "def quicksort(arr):"]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
+
+    def run():
+        llm = LLM(max_model_len=256, num_blocks=64, dtype="float32", speculative_config=None)
+        model = llm.engine.runner.model
+        formats = {model.layers[0].self_attn.qkv_proj.packed.format, model.layers[0].mlp.down_proj.packed.format,
+                   model.lm_head_kernel.format}
+        outs = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params)]
+        return formats, outs
+
+    formats, blocks = run()
+    assert formats == {"q4_1", "q8_0"}
+    monkeypatch.setattr(cpu_linear, "pack_float32", lambda w, b: cpu_linear.PackedFloat32(w, b))
+    monkeypatch.setattr(cpu_linear, "pack_blocks", lambda w: None)
+    formats, dense = run()
+    assert formats == {"f32"} and blocks == dense
 
 
 @needs_kernel

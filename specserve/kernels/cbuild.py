@@ -22,7 +22,7 @@ from typing import Callable
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 
 
 def cpu_flags() -> set[str]:
@@ -40,7 +40,7 @@ def build(source_path: Path) -> Path:
     """The compiled library of a C source (cached by content); RuntimeError when it cannot be."""
     from specserve.model.loader import cache_root
 
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= cpu_flags():
         raise RuntimeError("this CPU lacks AVX2/FMA")
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:

@@ -1,5 +1,6 @@
 /* Linear layers for x86 CPUs with AVX2 and FMA, float32 activations, weights in int8 (one
- * scale per output column: weight-only quantization) or in float32:
+ * scale per output column: weight-only quantization), in float32, or in GGUF's Q4_1 and Q8_0
+ * block formats where those give back the float32 weights bit for bit:
  *     y[m, n] = (scale[n] *) sum_k x[m, k] * w[n, k]  (+ bias[n])
  *
  * Batch invariance by construction: every output is one sequential chain of fused
@@ -25,30 +26,11 @@ static inline __m256 widen(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* R rows x C vectors (8 columns each) of one block, starting at column vector c0; weights int8
- * (Q) or float32; scale NULL: none. */
-static inline __attribute__((always_inline)) void tile(
-        int R, int C, int Q, const float *x, int64_t ldx, int64_t K, const void *wb, int c0,
-        const float *scale, const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy) {
-    __m256 acc[6][8];
-#pragma GCC unroll 6
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    const int8_t *wq = (const int8_t *)wb + (int64_t)c0 * 8 * K;
-    const float *wf = (const float *)wb + (int64_t)c0 * 8 * K;
-    for (int64_t k = 0; k < K; k++, wq += 8, wf += 8) {
-        __m256 wv[8];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) wv[c] = Q ? widen(wq + c * 8 * K) : _mm256_loadu_ps(wf + c * 8 * K);
-#pragma GCC unroll 6
-        for (int r = 0; r < R; r++) {
-            __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
-#pragma GCC unroll 8
-            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
-        }
-    }
-    /* scale, then add the bias: two roundings, the same for every row */
+/* The accumulators of an R x C tile out to y: scaled (scale NULL: not), then the bias added
+ * (NULL: zero), two roundings, the same for every row and every weight format. */
+static inline __attribute__((always_inline)) void store_tile(
+        int R, int C, __m256 acc[6][8], int c0, const float *scale, const float *bias, int64_t n0,
+        int64_t N, float *y, int64_t ldy) {
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) {
         int64_t n = n0 + 8 * (c0 + c);
@@ -77,6 +59,92 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* Bytes of one strip (8 columns, all of K) in weight format Q: float32, int8, or per block of
+ * QK values along k, Q4_1 (8 fp16 scales d, 8 fp16 minima m, then 16 k-pairs of 8 bytes, low
+ * nibble k, high nibble k + 1) or Q8_0 (8 fp16 scales d, then 32 k of 8 int8). */
+enum { F32 = 0, I8 = 1, Q4_1 = 2, Q8_0 = 3, QK = 32 };
+#define Q_BLOCK_BYTES(Q) ((Q) == Q4_1 ? 32 + QK / 2 * 8 : 16 + QK * 8)
+static inline int64_t strip_bytes(int Q, int64_t K) {
+    return Q == F32 ? 32 * K : Q == I8 ? 8 * K : K / QK * Q_BLOCK_BYTES(Q);
+}
+
+/* R rows x C vectors (8 columns each) of one block, starting at column vector c0, weights in
+ * format Q; scale NULL: none. The block formats rebuild each weight as GGUF's dequantization
+ * does (d * q exactly, then + m: one rounding; -ffp-contract=off keeps the two apart), so
+ * every product is the float32 weight's, bit for bit, and so is every sum. */
+static inline __attribute__((always_inline)) void tile(
+        int R, int C, int Q, const float *x, int64_t ldx, int64_t K, const void *wb, int c0,
+        const float *scale, const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy) {
+    __m256 acc[6][8];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    const int64_t sb = strip_bytes(Q, K);
+    const uint8_t *w = (const uint8_t *)wb + c0 * sb;
+    if (Q == F32 || Q == I8) {
+        for (int64_t k = 0; k < K; k++) {
+            __m256 wv[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++)
+                wv[c] = Q == I8 ? widen((const int8_t *)(w + c * sb) + 8 * k)
+                                : _mm256_loadu_ps((const float *)(w + c * sb) + 8 * k);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; r++) {
+                __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 8
+                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+            }
+        }
+    } else {
+        const __m256i low = _mm256_set1_epi32(15);
+        for (int64_t kb = 0; kb < K / QK; kb++) {
+            const uint8_t *blk = w + kb * Q_BLOCK_BYTES(Q);
+            const float *xb = x + kb * QK;
+            __m256 d[8], m[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) {
+                d[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + c * sb)));
+                m[c] = Q == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + c * sb + 16)))
+                                 : _mm256_setzero_ps();
+            }
+            if (Q == Q4_1) {
+                for (int kp = 0; kp < QK / 2; kp++) {
+                    __m256 w0[8], w1[8];
+#pragma GCC unroll 8
+                    for (int c = 0; c < C; c++) {
+                        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + c * sb + 32 + 8 * kp)));
+                        w0[c] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d[c]), m[c]);
+                        w1[c] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d[c]), m[c]);
+                    }
+#pragma GCC unroll 6
+                    for (int r = 0; r < R; r++) {
+                        __m256 x0 = _mm256_broadcast_ss(xb + r * ldx + 2 * kp);
+                        __m256 x1 = _mm256_broadcast_ss(xb + r * ldx + 2 * kp + 1);
+#pragma GCC unroll 8
+                        for (int c = 0; c < C; c++)
+                            acc[r][c] = _mm256_fmadd_ps(x1, w1[c], _mm256_fmadd_ps(x0, w0[c], acc[r][c]));
+                    }
+                }
+            } else {
+                for (int k = 0; k < QK; k++) {
+                    __m256 wv[8];
+#pragma GCC unroll 8
+                    for (int c = 0; c < C; c++)
+                        wv[c] = _mm256_mul_ps(widen((const int8_t *)(blk + c * sb + 16) + 8 * k), d[c]);
+#pragma GCC unroll 6
+                    for (int r = 0; r < R; r++) {
+                        __m256 xv = _mm256_broadcast_ss(xb + r * ldx + k);
+#pragma GCC unroll 8
+                        for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+                    }
+                }
+            }
+        }
+    }
+    store_tile(R, C, acc, c0, scale, bias, n0, N, y, ldy);
+}
+
 /* Each tile shape its own function, so that the compiler keeps every shape's accumulators
  * in registers (inlined into one function, some shapes spilled them to the stack). */
 #define TILE_FN(R, C, Q)                                                                     \
@@ -87,8 +155,10 @@ static inline __attribute__((always_inline)) void tile(
         tile(R, C, Q, x, ldx, K, wb, c0, scale, bias, n0, N, y, ldy);                        \
     }
 #define TILES(Q) TILE_FN(6, 2, Q) TILE_FN(4, 2, Q) TILE_FN(2, 4, Q) TILE_FN(1, 8, Q)
-TILES(0)
-TILES(1)
+TILES(F32)
+TILES(I8)
+TILES(Q4_1)
+TILES(Q8_0)
 
 /* One block of BLOCK columns for all M rows: groups of 6 rows (2 vectors at a time), then
  * the rest with tiles that keep 8 accumulators busy. */
@@ -113,18 +183,23 @@ TILES(1)
         if (m < M)                                                                           \
             tile_1x8_##Q(x + m * ldx, ldx, K, wb, 0, scale, bias, n0, N, y + m * ldy, ldy);  \
     }
-BLOCK_ROWS(0)
-BLOCK_ROWS(1)
+BLOCK_ROWS(F32)
+BLOCK_ROWS(I8)
+BLOCK_ROWS(Q4_1)
+BLOCK_ROWS(Q8_0)
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the packed weights, scaled by
- * `scale` (NULL: none), plus `bias` (NULL: none). The two entry points differ in weight type. */
-#define LINEAR(NAME, WT, Q)                                                                      \
-    void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const WT *packed, int64_t N,     \
+ * `scale` (NULL: none), plus `bias` (NULL: none). The entry points differ in weight format. */
+#define LINEAR(NAME, Q)                                                                           \
+    void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed, int64_t N,\
               const float *scale, const float *bias, float *y, int64_t ldy, int threads) {        \
         int64_t blocks = (N + BLOCK - 1) / BLOCK;                                                 \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                        \
         for (int64_t b = 0; b < blocks; b++)                                                      \
-            block_rows_##Q(x, M, ldx, K, packed + b * K * BLOCK, scale, bias, b * BLOCK, N, y, ldy); \
+            block_rows_##Q(x, M, ldx, K, packed + b * (BLOCK / 8) * strip_bytes(Q, K), scale, bias, \
+                           b * BLOCK, N, y, ldy);                                                 \
     }
-LINEAR(int8_linear, int8_t, 1)
-LINEAR(f32_linear, float, 0)
+LINEAR(int8_linear, I8)
+LINEAR(f32_linear, F32)
+LINEAR(q4_1_linear, Q4_1)
+LINEAR(q8_0_linear, Q8_0)

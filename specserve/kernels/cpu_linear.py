@@ -1,5 +1,6 @@
 """Linear layers on x86 CPUs through our own AVX2/FMA kernel (`cpu_linear.c`): weight-only
-int8 (`PackedInt8`) and float32 (`PackedFloat32`).
+int8 (`PackedInt8`) and float32 (`PackedFloat32`, or `pack_float32`: in GGUF's Q4_1 or Q8_0
+block format where that holds the float32 weights exactly).
 
 torch's int8 weight-only CPU kernel is slower than float32 GEMMs on AVX2-only machines and
 its sums depend on how many rows a product has; ours reads a quarter of float32's weight
@@ -7,6 +8,13 @@ bytes. Its float32 form streams the weights at memory speed where MKL's GEMM on 
 AMD CPU is 2x slower at one row and ~4x at 2-16 (benchmarks/cpu_linear.py). Either way each
 row gets the same bits whatever the rest of the batch (see the C source), so speculation stays
 token-for-token identical to plain decoding.
+
+A model converted from a GGUF file holds float32 weights that are dequantized Q4_1 or Q8_0
+blocks: every block of 32 weights of a row is d * q + m (Q4_1: q in 0..15, d and m float16) or
+d * q (Q8_0: q in -127..127). `pack_float32` finds those d, m and q again and keeps only them
+(0.625 or 1.06 bytes a weight instead of 4), after checking that they give back every weight
+bit for bit; the kernel rebuilds each weight with the same two IEEE operations before its
+multiply-add, so the products, and the model's tokens, are exactly the float32 model's.
 
 Built and loaded by specserve.kernels.cbuild. `available()` says whether it can run here, and
 `why_unavailable()` why not: no AVX2/FMA, no compiler, or the build failed.
@@ -22,14 +30,16 @@ import torch
 from specserve.kernels.cbuild import Kernel
 
 BLOCK = 64  # columns per block the threads split (BLOCK in cpu_linear.c); strips of 8 inside
+QK = 32  # weights per Q4_1 / Q8_0 block along k (QK in cpu_linear.c)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.int8_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     lib.int8_linear.restype = None
-    lib.f32_linear.argtypes = lib.int8_linear.argtypes
-    lib.f32_linear.restype = None
+    for name in ("f32_linear", "q4_1_linear", "q8_0_linear"):
+        getattr(lib, name).argtypes = lib.int8_linear.argtypes
+        getattr(lib, name).restype = None
 
 
 _kernel = Kernel(Path(__file__).with_name("cpu_linear.c"), _declare)
@@ -43,13 +53,95 @@ def why_unavailable() -> str | None:
     return _kernel.why_unavailable()
 
 
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [N', ...], N' = N padded with zeros to a multiple of BLOCK (columns never
+    written out)."""
+    n = t.shape[0]
+    padded = t.new_zeros(-(-n // BLOCK) * BLOCK, *t.shape[1:])
+    padded[:n] = t
+    return padded
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> the kernel's layout: strips of 8 columns, k-major inside a strip, [N' / 8, K, 8]
-    (N' = N padded with zero columns, never written out, to a multiple of BLOCK)."""
+    """[N, K] -> the kernel's layout: strips of 8 columns, k-major inside a strip, [N' / 8, K, 8]."""
+    return _pad_rows(weight).view(-1, 8, weight.shape[1]).transpose(1, 2).contiguous()
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.view(torch.int32) == b.view(torch.int32)
+
+
+def _q8_0_blocks(w: torch.Tensor):
+    """w [N, K / QK, QK] float32 -> (d float16 [N, K / QK], q int8 [N, K / QK, QK]) with
+    d * q == w bit for bit, or None. The largest magnitude of a block is 127 d exactly."""
+    d = w.abs().amax(-1).div_(127)
+    d16 = d.half()
+    if not torch.equal(d16.float(), d):
+        return None
+    q = w / torch.where(d > 0, d, 1)[..., None]
+    q.round_()
+    if not (bool(q.abs().le(127).all()) and bool(_bits_equal(q * d[..., None], w).all())):
+        return None
+    return d16, q.to(torch.int8)
+
+
+def _q4_1_fit(w: torch.Tensor, m: torch.Tensor, d: torch.Tensor):
+    """(q, which blocks d * q + m rebuilds bit for bit) for blocks w [B, QK], m and d [B]."""
+    q = (w - m[:, None]).div_(torch.where(d > 0, d, 1)[:, None]).round_().clamp_(0, 15)
+    return q, _bits_equal((q * d[:, None]).add_(m[:, None]), w).all(-1)
+
+
+def _q4_1_blocks(w: torch.Tensor):
+    """w [N, K / QK, QK] float32 -> (d, m float16 [N, K / QK], q uint8 [N, K / QK, QK] in
+    0..15) with d * q + m == w bit for bit (GGUF's dequantization), or None. m is the block's
+    smallest weight (q = 0); d is within one float16 step of (largest - m) / 15."""
+    shape = w.shape[:-1]
+    w = w.reshape(-1, QK)
+    m = w.amin(-1)
+    m16 = m.half()
+    if not torch.equal(m16.float(), m):
+        return None
+    d16 = ((w.amax(-1) - m) / 15).half()
+    q, ok = _q4_1_fit(w, m, d16.float())
+    for step in (1, -1):  # blocks where rounding to float16 missed: the neighbouring values
+        bad = (~ok).nonzero().squeeze(1)
+        if not len(bad):
+            break
+        d = (d16[bad].view(torch.int16) + step).view(torch.float16)
+        d = torch.where(d16[bad].float() > 0, d, d16[bad])  # no neighbour below 0
+        q_bad, ok_bad = _q4_1_fit(w[bad], m[bad], d.float())
+        fixed = bad[ok_bad]
+        d16[fixed], q[fixed], ok[fixed] = d[ok_bad], q_bad[ok_bad], True
+    if not bool(ok.all()):
+        return None
+    return d16.view(shape), m16.view(shape), q.to(torch.uint8).view(*shape, QK)
+
+
+def _strips(t: torch.Tensor) -> torch.Tensor:
+    """A field per block [N', K / QK, F] -> bytes [N' / 8, K / QK, F * 8 * itemsize]: for each
+    strip and block, F groups of the strip's 8 columns side by side."""
+    n, kb, f = t.shape
+    return t.view(n // 8, 8, kb, f).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(n // 8, kb, -1)
+
+
+def pack_blocks(weight: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    """[N, K] float32 -> ("q4_1" or "q8_0", the packed strips as bytes) when the weights are
+    exactly such blocks (module docstring), else None."""
     n, k = weight.shape
-    padded = weight.new_zeros(-(-n // BLOCK) * BLOCK, k)
-    padded[:n] = weight
-    return padded.view(-1, 8, k).transpose(1, 2).contiguous()
+    if weight.dtype != torch.float32 or k % QK or not bool(torch.isfinite(weight).all()):
+        return None
+    w = weight.detach().reshape(n, k // QK, QK)
+    found = _q4_1_blocks(w)
+    if found is not None:
+        d, m, q = (_pad_rows(t) for t in found)
+        pairs = q.view(q.shape[0], k // QK, QK // 2, 2)
+        nibbles = pairs[..., 0] | (pairs[..., 1] << 4)  # [N', K / QK, 16]: low nibble k, high k + 1
+        return "q4_1", torch.cat([_strips(d[..., None]), _strips(m[..., None]), _strips(nibbles)], -1).contiguous()
+    found = _q8_0_blocks(w)
+    if found is not None:
+        d, q = (_pad_rows(t) for t in found)
+        return "q8_0", torch.cat([_strips(d[..., None]), _strips(q)], -1).contiguous()
+    return None
 
 
 class _Packed:
@@ -57,11 +149,11 @@ class _Packed:
     callable on activations: x [..., K] -> [..., N] float32. The pointers are taken once here:
     a decode step calls a hundred-odd of these."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
-                 fn) -> None:
+    def __init__(self, packed: torch.Tensor, shape: tuple[int, int], scales: torch.Tensor | None,
+                 bias: torch.Tensor | None, fn) -> None:
         self._fn = fn
-        self.out_features, self.in_features = weight.shape
-        self.packed = pack(weight.detach().cpu())
+        self.out_features, self.in_features = shape
+        self.packed = packed
         self.scales = None if scales is None else scales.detach().float().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._args = (self.packed.data_ptr(), self.out_features, 0 if self.scales is None else self.scales.data_ptr(),
@@ -85,12 +177,26 @@ class PackedInt8(_Packed):
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         assert _kernel.lib is not None, _kernel.why_unavailable()
-        super().__init__(q.to(torch.int8), scales, bias, _kernel.lib.int8_linear)
+        super().__init__(pack(q.detach().cpu().to(torch.int8)), tuple(q.shape), scales, bias, _kernel.lib.int8_linear)
 
 
 class PackedFloat32(_Packed):
-    """y = x @ weight.T + bias, weight float32 [N, K]."""
+    """y = x @ weight.T + bias, weight float32 [N, K]; `fmt` "q4_1" / "q8_0" with `packed` from
+    `pack_blocks` (the same products), else the weights as they are."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str = "f32",
+                 packed: torch.Tensor | None = None) -> None:
         assert _kernel.lib is not None, _kernel.why_unavailable()
-        super().__init__(weight.float(), None, bias, _kernel.lib.f32_linear)
+        self.format = fmt
+        if packed is None:
+            packed = pack(weight.detach().cpu().float())
+        super().__init__(packed, tuple(weight.shape), None, bias, getattr(_kernel.lib, f"{fmt}_linear"))
+
+
+def pack_float32(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedFloat32:
+    """A float32 layer through our kernel in the fewest bytes that give the same products:
+    Q4_1 or Q8_0 blocks where the weights are exactly such blocks, else float32."""
+    found = pack_blocks(weight.detach().cpu().float())
+    if found is None:
+        return PackedFloat32(weight, bias)
+    return PackedFloat32(weight, bias, *found)

@@ -37,10 +37,11 @@ class Linear(nn.Linear):
     packed = None  # a cpu_linear.PackedFloat32, see finalize_weights
 
     def pack(self) -> None:
-        """Move the weights into our kernel's layout (the dense copy is dropped)."""
-        from specserve.kernels.cpu_linear import PackedFloat32
+        """Move the weights into our kernel's layout, in GGUF's Q4_1 or Q8_0 blocks where
+        they are exactly such blocks (cpu_linear.pack_float32); the dense copy is dropped."""
+        from specserve.kernels.cpu_linear import pack_float32
 
-        self.packed = PackedFloat32(self.weight, self.bias)
+        self.packed = pack_float32(self.weight, self.bias)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         self.bias = None
 
@@ -228,10 +229,12 @@ class LlamaForCausalLM(nn.Module):
     def finalize_weights(self) -> None:
         """Call once the weights are final (loaded and cast).
 
-        CPU float32 where our linear kernel builds and a measurement at start finds it faster
-        than the GEMM (specserve.model.quant.f32_kernel_pays; on an AVX2-only AMD CPU, 2x at
-        one row, ~4x at 2-16): every projection and the LM head through it (the layers'
-        weights move into its layout; the LM head's stays, draft heads read it). Else CPU
+        CPU float32 where our linear kernel builds, and either the weights are exactly GGUF
+        Q4_1/Q8_0 blocks (a model converted from such a file: the kernel reads the blocks and
+        rebuilds every weight bit for bit) or a measurement at start finds it faster than the
+        GEMM (specserve.model.quant.f32_kernel_pays; on an AVX2-only AMD CPU, 2x at one row,
+        ~4x at 2-16): every projection and the LM head through it (the layers' weights move
+        into its layout; the LM head's stays, draft heads read it). Else CPU
         float32: MKL reads an [H, V] weight for a skinny product about twice as fast as the
         [V, H] nn.Linear layout (measured on the default model's 49k x 576 head, one row), so
         the head keeps a transposed copy. CPU bfloat16: oneDNN is faster with the nn.Linear
@@ -240,15 +243,15 @@ class LlamaForCausalLM(nn.Module):
         kernels build: the RMS norms with their residual adds, the rotary embedding and the MLP
         activation in one C call each (specserve.kernels.layer_ops; a few rows paid ~20 dispatches per layer).
         """
+        from specserve.kernels import cpu_linear
         from specserve.model.quant import f32_kernel_pays
 
         weight = self.lm_head.weight.detach()
         cpu = weight.device.type == "cpu"
         f32 = cpu and weight.dtype == torch.float32
-        if f32 and self.lm_head_kernel is None and f32_kernel_pays(self.arch.hidden_size, self.arch.intermediate_size):
-            from specserve.kernels.cpu_linear import PackedFloat32
-
-            self.lm_head_kernel = PackedFloat32(weight, None)
+        if f32 and self.lm_head_kernel is None and cpu_linear.available() and (
+                self._gguf_blocks() or f32_kernel_pays(self.arch.hidden_size, self.arch.intermediate_size)):
+            self.lm_head_kernel = cpu_linear.pack_float32(weight, None)
             for module in self.layers.modules():
                 if isinstance(module, Linear):
                     module.pack()
@@ -257,6 +260,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pad_single_row = cpu and weight.dtype == torch.bfloat16
         self.use_layer_ops(f32 and layer_ops.available())
+
+    def _gguf_blocks(self) -> bool:
+        """Whether the first MLP's weights are exactly GGUF blocks (a model converted from a
+        Q4_1 or Q8_0 GGUF file): through our kernel they read 4-6x fewer bytes than any
+        float32 GEMM, so no measurement is needed to prefer it."""
+        from specserve.kernels.cpu_linear import pack_blocks
+
+        return pack_blocks(self.layers[0].mlp.down_proj.weight.detach()) is not None
 
     def use_layer_ops(self, enabled: bool) -> None:
         """Every norm's `add`, every rotary embedding and every MLP activation through

@@ -31,14 +31,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 where the hardware multiplies it natively (CUDA; CPUs with AVX512-BF16
-    or AMX, where oneDNN's bfloat16 GEMM reads half the bytes of float32 and costs about the
-    same for 1 to 8 rows as for one, which is what speculation needs), float32 elsewhere."""
+    """"auto": on CUDA bfloat16 (float16 where it is not supported). On a CPU float32 where our
+    C kernels run (x86 with AVX2: products, norms, rotary and attention in C, and a GGUF
+    model's weights read in their Q4_1/Q8_0 blocks; on an AVX512-BF16 AMD EPYC, 3.2x
+    oneDNN's bfloat16 at one request and 1.7x at 8, docs/benchmarks.md), else bfloat16 where
+    the CPU multiplies it natively (AVX512-BF16 or AMX), else float32."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    from specserve.kernels import cpu_linear
+
+    return torch.bfloat16 if cpu_has_native_bf16() and not cpu_linear.available() else torch.float32
 
 
 def cpu_has_native_bf16() -> bool:

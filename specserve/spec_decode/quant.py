@@ -23,9 +23,9 @@ def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool
     if quantize:
         return Int8Linear(weight, bias)
     if f32_kernel:
-        from specserve.kernels.cpu_linear import PackedFloat32
+        from specserve.kernels.cpu_linear import pack_float32
 
-        return PackedFloat32(weight, bias)
+        return pack_float32(weight, bias)
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     return lambda x: F.linear(x, weight, bias)
 
