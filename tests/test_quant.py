@@ -155,14 +155,16 @@ def gguf_like(fmt: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_gguf_blocks_give_the_float32_products_bit_for_bit(fmt):
-    w = gguf_like(fmt, 77, 96)  # 77: a last, partial strip of columns
+    w = gguf_like(fmt, 77, 288)  # 77: a last, partial strip of columns; 288: chunks of k of 128, 128, 32
     bias = torch.randn(77)
     packed, dense = cpu_linear.pack_float32(w, bias), cpu_linear.PackedFloat32(w, bias)
     assert packed.format == fmt and packed.packed.numel() < 2 * w.numel()  # bytes: under half of float32, padding and all
-    x = torch.randn(19, 96)
-    for rows in (slice(0, 1), slice(1, 3), slice(3, 7), slice(7, 11), slice(0, 19)):  # every tile shape
+    x = torch.randn(19, 288)
+    # every tile shape, straight from the blocks (under 8 rows) and through rebuilt chunks
+    for rows in (slice(0, 1), slice(1, 3), slice(3, 7), slice(7, 11), slice(0, 8), slice(0, 19)):
         assert torch.equal(packed(x[rows]).view(torch.int32), dense(x[rows]).view(torch.int32))
     torch.testing.assert_close(packed(x), x @ w.T + bias, atol=1e-4, rtol=1e-4)
+    assert torch.equal(packed(x[5:6]).view(torch.int32), packed(x)[5:6].view(torch.int32))  # batch-invariant
 
 
 @needs_kernel

@@ -70,16 +70,19 @@ static inline int64_t strip_bytes(int Q, int64_t K) {
 
 /* R rows x C vectors (8 columns each) of one block, starting at column vector c0, weights in
  * format Q; scale NULL: none. The block formats rebuild each weight as GGUF's dequantization
- * does (d * q exactly, then + m: one rounding; -ffp-contract=off keeps the two apart), so
- * every product is the float32 weight's, bit for bit, and so is every sum. */
+ * does: d * q is exact in float32 (11 bits of d times 4 or 8 bits of q), so one fused
+ * multiply-add d * q + m rounds exactly where GGUF's product-then-sum does, and every weight,
+ * every product and every sum is the float32 weight's, bit for bit. */
 static inline __attribute__((always_inline)) void tile(
         int R, int C, int Q, const float *x, int64_t ldx, int64_t K, const void *wb, int c0,
-        const float *scale, const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy) {
+        const float *scale, const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy,
+        const float *acc_in, float *acc_out) {
     __m256 acc[6][8];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < C; c++)
+            acc[r][c] = acc_in ? _mm256_loadu_ps(acc_in + r * BLOCK + 8 * (c0 + c)) : _mm256_setzero_ps();
     const int64_t sb = strip_bytes(Q, K);
     const uint8_t *w = (const uint8_t *)wb + c0 * sb;
     if (Q == F32 || Q == I8) {
@@ -114,8 +117,8 @@ static inline __attribute__((always_inline)) void tile(
 #pragma GCC unroll 8
                     for (int c = 0; c < C; c++) {
                         __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + c * sb + 32 + 8 * kp)));
-                        w0[c] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d[c]), m[c]);
-                        w1[c] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d[c]), m[c]);
+                        w0[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d[c], m[c]);
+                        w1[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d[c], m[c]);
                     }
 #pragma GCC unroll 6
                     for (int r = 0; r < R; r++) {
@@ -142,6 +145,13 @@ static inline __attribute__((always_inline)) void tile(
             }
         }
     }
+    if (acc_out) { /* a partial sum over part of K, continued by the next call (see linear_buffered) */
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) _mm256_storeu_ps(acc_out + r * BLOCK + 8 * (c0 + c), acc[r][c]);
+        return;
+    }
     store_tile(R, C, acc, c0, scale, bias, n0, N, y, ldy);
 }
 
@@ -151,8 +161,8 @@ static inline __attribute__((always_inline)) void tile(
     static __attribute__((noinline)) void tile_##R##x##C##_##Q(                              \
             const float *x, int64_t ldx, int64_t K, const void *wb, int c0,                  \
             const float *scale, const float *bias, int64_t n0, int64_t N, float *y,          \
-            int64_t ldy) {                                                                   \
-        tile(R, C, Q, x, ldx, K, wb, c0, scale, bias, n0, N, y, ldy);                        \
+            int64_t ldy, const float *acc_in, float *acc_out) {                              \
+        tile(R, C, Q, x, ldx, K, wb, c0, scale, bias, n0, N, y, ldy, acc_in, acc_out);       \
     }
 #define TILES(Q) TILE_FN(6, 2, Q) TILE_FN(4, 2, Q) TILE_FN(2, 4, Q) TILE_FN(1, 8, Q)
 TILES(F32)
@@ -161,43 +171,104 @@ TILES(Q4_1)
 TILES(Q8_0)
 
 /* One block of BLOCK columns for all M rows: groups of 6 rows (2 vectors at a time), then
- * the rest with tiles that keep 8 accumulators busy. */
+ * the rest with tiles that keep 8 accumulators busy. acc_in / acc_out (NULL: none): partial
+ * sums, BLOCK floats a row (see tile). */
 #define BLOCK_ROWS(Q)                                                                        \
     static void block_rows_##Q(const float *x, int64_t M, int64_t ldx, int64_t K, const void *wb,  \
                                const float *scale, const float *bias, int64_t n0, int64_t N,       \
-                               float *y, int64_t ldy) {                                      \
+                               float *y, int64_t ldy, const float *acc_in, float *acc_out) {      \
         int64_t m = 0;                                                                       \
         for (; m + 6 <= M; m += 6)                                                           \
             for (int c0 = 0; c0 < 8; c0 += 2)                                                \
-                tile_6x2_##Q(x + m * ldx, ldx, K, wb, c0, scale, bias, n0, N, y + m * ldy, ldy); \
+                tile_6x2_##Q(x + m * ldx, ldx, K, wb, c0, scale, bias, n0, N, y + m * ldy, ldy, \
+                             ACC(acc_in, m), ACC(acc_out, m));                               \
         if (m + 4 <= M) {                                                                    \
             for (int c0 = 0; c0 < 8; c0 += 2)                                                \
-                tile_4x2_##Q(x + m * ldx, ldx, K, wb, c0, scale, bias, n0, N, y + m * ldy, ldy); \
+                tile_4x2_##Q(x + m * ldx, ldx, K, wb, c0, scale, bias, n0, N, y + m * ldy, ldy, \
+                             ACC(acc_in, m), ACC(acc_out, m));                               \
             m += 4;                                                                          \
         }                                                                                    \
         if (m + 2 <= M) {                                                                    \
             for (int c0 = 0; c0 < 8; c0 += 4)                                                \
-                tile_2x4_##Q(x + m * ldx, ldx, K, wb, c0, scale, bias, n0, N, y + m * ldy, ldy); \
+                tile_2x4_##Q(x + m * ldx, ldx, K, wb, c0, scale, bias, n0, N, y + m * ldy, ldy, \
+                             ACC(acc_in, m), ACC(acc_out, m));                               \
             m += 2;                                                                          \
         }                                                                                    \
         if (m < M)                                                                           \
-            tile_1x8_##Q(x + m * ldx, ldx, K, wb, 0, scale, bias, n0, N, y + m * ldy, ldy);  \
+            tile_1x8_##Q(x + m * ldx, ldx, K, wb, 0, scale, bias, n0, N, y + m * ldy, ldy,   \
+                         ACC(acc_in, m), ACC(acc_out, m));                                   \
     }
+#define ACC(p, m) ((p) ? (p) + (m) * BLOCK : NULL)
 BLOCK_ROWS(F32)
 BLOCK_ROWS(I8)
 BLOCK_ROWS(Q4_1)
 BLOCK_ROWS(Q8_0)
 
+/* The block formats at several rows: a chunk of KC values of k of one block's 8 strips is
+ * rebuilt into float32 once (BLOCK x KC floats, in the float32 strip layout), then every row
+ * multiplies it with the float32 tiles; the sums carry from chunk to chunk through acc
+ * (BLOCK floats a row), and the last chunk stores them with the bias. Each output is the same
+ * chain of multiply-adds in the same order as in the direct tiles: the same bits. */
+#define KC 128
+static void rebuild(int Q, const uint8_t *wb, int64_t K, int64_t k0, int64_t kc, float *buf) {
+    const int64_t sb = strip_bytes(Q, K);
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int c = 0; c < 8; c++)
+        for (int64_t kb = k0 / QK; kb < (k0 + kc) / QK; kb++) {
+            const uint8_t *blk = wb + c * sb + kb * Q_BLOCK_BYTES(Q);
+            float *out = buf + 8 * (c * kc + kb * QK - k0);
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            if (Q == Q4_1) {
+                __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+                for (int kp = 0; kp < QK / 2; kp++) {
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * kp)));
+                    _mm256_storeu_ps(out + 16 * kp, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d, m));
+                    _mm256_storeu_ps(out + 16 * kp + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, m));
+                }
+            } else {
+                for (int k = 0; k < QK; k++)
+                    _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(widen((const int8_t *)(blk + 16) + 8 * k), d));
+            }
+        }
+}
+
+static void linear_buffered(int Q, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
+                            int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
+    int64_t blocks = (N + BLOCK - 1) / BLOCK;
+#pragma omp parallel num_threads(threads)
+    {
+        float buf[BLOCK * KC] __attribute__((aligned(32)));
+        float *acc = (float *)_mm_malloc(sizeof(float) * BLOCK * M, 32);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *wb = packed + b * (BLOCK / 8) * strip_bytes(Q, K);
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                int64_t kc = K - k0 < KC ? K - k0 : KC;
+                rebuild(Q, wb, K, k0, kc, buf);
+                block_rows_F32(x + k0, M, ldx, kc, buf, NULL, bias, b * BLOCK, N, y, ldy,
+                               k0 ? acc : NULL, k0 + kc < K ? acc : NULL);
+            }
+        }
+        _mm_free(acc);
+    }
+}
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the packed weights, scaled by
- * `scale` (NULL: none), plus `bias` (NULL: none). The entry points differ in weight format. */
+ * `scale` (NULL: none), plus `bias` (NULL: none). The entry points differ in weight format;
+ * the block formats take linear_buffered from BUFFER_ROWS rows on. */
+#define BUFFER_ROWS 8
 #define LINEAR(NAME, Q)                                                                           \
     void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed, int64_t N,\
               const float *scale, const float *bias, float *y, int64_t ldy, int threads) {        \
+        if ((Q == Q4_1 || Q == Q8_0) && M >= BUFFER_ROWS) {                                       \
+            linear_buffered(Q, x, M, K, ldx, packed, N, bias, y, ldy, threads);                   \
+            return;                                                                               \
+        }                                                                                         \
         int64_t blocks = (N + BLOCK - 1) / BLOCK;                                                 \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                        \
         for (int64_t b = 0; b < blocks; b++)                                                      \
             block_rows_##Q(x, M, ldx, K, packed + b * (BLOCK / 8) * strip_bytes(Q, K), scale, bias, \
-                           b * BLOCK, N, y, ldy);                                                 \
+                           b * BLOCK, N, y, ldy, NULL, NULL);                                     \
     }
 LINEAR(int8_linear, I8)
 LINEAR(f32_linear, F32)
