@@ -29,7 +29,7 @@ static inline __m256 widen(const int8_t *p) {
 /* The accumulators of an R x C tile out to y: scaled (scale NULL: not), then the bias added
  * (NULL: zero), two roundings, the same for every row and every weight format. */
 static inline __attribute__((always_inline)) void store_tile(
-        int R, int C, __m256 acc[6][8], int c0, const float *scale, const float *bias, int64_t n0,
+        int R, int C, __m256 acc[12][8], int c0, const float *scale, const float *bias, int64_t n0,
         int64_t N, float *y, int64_t ldy) {
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) {
@@ -39,17 +39,17 @@ static inline __attribute__((always_inline)) void store_tile(
             __m256 bv = bias ? _mm256_loadu_ps(bias + n) : _mm256_setzero_ps();
             if (scale) {
                 __m256 sv = _mm256_loadu_ps(scale + n);
-#pragma GCC unroll 6
+#pragma GCC unroll 12
                 for (int r = 0; r < R; r++) acc[r][c] = _mm256_mul_ps(acc[r][c], sv);
             }
-#pragma GCC unroll 6
+#pragma GCC unroll 12
             for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy + n, _mm256_add_ps(acc[r][c], bv));
         } else { /* the last, partial vector of columns */
             float out[8], s[8] = {1, 1, 1, 1, 1, 1, 1, 1}, b[8] = {0};
             int valid = (int)(N - n);
             if (scale) memcpy(s, scale + n, valid * sizeof(float));
             if (bias) memcpy(b, bias + n, valid * sizeof(float));
-#pragma GCC unroll 6
+#pragma GCC unroll 12
             for (int r = 0; r < R; r++) {
                 _mm256_storeu_ps(out, _mm256_add_ps(_mm256_mul_ps(acc[r][c], _mm256_loadu_ps(s)),
                                                     _mm256_loadu_ps(b)));
@@ -77,8 +77,8 @@ static inline __attribute__((always_inline)) void tile(
         int R, int C, int Q, const float *x, int64_t ldx, int64_t K, const void *wb, int c0,
         const float *scale, const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy,
         const float *acc_in, float *acc_out) {
-    __m256 acc[6][8];
-#pragma GCC unroll 6
+    __m256 acc[12][8];
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++)
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void tile(
             for (int c = 0; c < C; c++)
                 wv[c] = Q == I8 ? widen((const int8_t *)(w + c * sb) + 8 * k)
                                 : _mm256_loadu_ps((const float *)(w + c * sb) + 8 * k);
-#pragma GCC unroll 6
+#pragma GCC unroll 12
             for (int r = 0; r < R; r++) {
                 __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
 #pragma GCC unroll 8
@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void tile(
                         w0[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d[c], m[c]);
                         w1[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d[c], m[c]);
                     }
-#pragma GCC unroll 6
+#pragma GCC unroll 12
                     for (int r = 0; r < R; r++) {
                         __m256 x0 = _mm256_broadcast_ss(xb + r * ldx + 2 * kp);
                         __m256 x1 = _mm256_broadcast_ss(xb + r * ldx + 2 * kp + 1);
@@ -135,7 +135,7 @@ static inline __attribute__((always_inline)) void tile(
 #pragma GCC unroll 8
                     for (int c = 0; c < C; c++)
                         wv[c] = _mm256_mul_ps(widen((const int8_t *)(blk + c * sb + 16) + 8 * k), d[c]);
-#pragma GCC unroll 6
+#pragma GCC unroll 12
                     for (int r = 0; r < R; r++) {
                         __m256 xv = _mm256_broadcast_ss(xb + r * ldx + k);
 #pragma GCC unroll 8
@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) void tile(
         }
     }
     if (acc_out) { /* a partial sum over part of K, continued by the next call (see linear_buffered) */
-#pragma GCC unroll 6
+#pragma GCC unroll 12
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
             for (int c = 0; c < C; c++) _mm256_storeu_ps(acc_out + r * BLOCK + 8 * (c0 + c), acc[r][c]);
@@ -167,8 +167,15 @@ static inline __attribute__((always_inline)) void tile(
 #define TILES(Q) TILE_FN(6, 2, Q) TILE_FN(4, 2, Q) TILE_FN(2, 4, Q) TILE_FN(1, 8, Q)
 TILES(F32)
 TILES(I8)
-TILES(Q4_1)
-TILES(Q8_0)
+/* The block formats under BUFFER_ROWS rows: one tile of exactly M rows, so that every weight
+ * is rebuilt once whatever M is (a 2 + 1 split of 3 rows rebuilt it twice); from 5 rows one
+ * strip at a time (measured: 4 rows x 2 strips took 30% longer than 4 x 4, 5-7 x 2 longer
+ * than 5-7 x 1). */
+#define Q_TILES(Q) TILE_FN(1, 8, Q) TILE_FN(2, 4, Q) TILE_FN(3, 4, Q) TILE_FN(4, 4, Q) \
+                   TILE_FN(5, 1, Q) TILE_FN(6, 1, Q) TILE_FN(7, 1, Q) TILE_FN(8, 1, Q) \
+                   TILE_FN(9, 1, Q) TILE_FN(10, 1, Q) TILE_FN(11, 1, Q) TILE_FN(12, 1, Q)
+Q_TILES(Q4_1)
+Q_TILES(Q8_0)
 
 /* One block of BLOCK columns for all M rows: groups of 6 rows (2 vectors at a time), then
  * the rest with tiles that keep 8 accumulators busy. acc_in / acc_out (NULL: none): partial
@@ -201,8 +208,23 @@ TILES(Q8_0)
 #define ACC(p, m) ((p) ? (p) + (m) * BLOCK : NULL)
 BLOCK_ROWS(F32)
 BLOCK_ROWS(I8)
-BLOCK_ROWS(Q4_1)
-BLOCK_ROWS(Q8_0)
+
+/* One block of BLOCK columns for M < BUFFER_ROWS rows in a block format: one tile shape. */
+#define Q_BLOCK_ROWS(Q)                                                                      \
+    static void block_rows_##Q(const float *x, int64_t M, int64_t ldx, int64_t K, const void *wb,  \
+                               const float *scale, const float *bias, int64_t n0, int64_t N,       \
+                               float *y, int64_t ldy) {                                      \
+        static void (*const tiles[])(const float *, int64_t, int64_t, const void *, int,     \
+                                     const float *, const float *, int64_t, int64_t, float *, \
+                                     int64_t, const float *, float *) = {                    \
+            tile_1x8_##Q, tile_2x4_##Q, tile_3x4_##Q, tile_4x4_##Q, tile_5x1_##Q, tile_6x1_##Q, \
+            tile_7x1_##Q, tile_8x1_##Q, tile_9x1_##Q, tile_10x1_##Q, tile_11x1_##Q, tile_12x1_##Q}; \
+        static const int vectors[] = {8, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1, 1};                                  \
+        for (int c0 = 0; c0 < 8; c0 += vectors[M - 1])                                       \
+            tiles[M - 1](x, ldx, K, wb, c0, scale, bias, n0, N, y, ldy, NULL, NULL);        \
+    }
+Q_BLOCK_ROWS(Q4_1)
+Q_BLOCK_ROWS(Q8_0)
 
 /* The block formats at several rows: a chunk of KC values of k of one block's 8 strips is
  * rebuilt into float32 once (BLOCK x KC floats, in the float32 strip layout), then every row
@@ -256,7 +278,7 @@ static void linear_buffered(int Q, const float *x, int64_t M, int64_t K, int64_t
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the packed weights, scaled by
  * `scale` (NULL: none), plus `bias` (NULL: none). The entry points differ in weight format;
  * the block formats take linear_buffered from BUFFER_ROWS rows on. */
-#define BUFFER_ROWS 8
+#define BUFFER_ROWS 13
 #define LINEAR(NAME, Q)                                                                           \
     void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed, int64_t N,\
               const float *scale, const float *bias, float *y, int64_t ldy, int threads) {        \
@@ -268,8 +290,12 @@ static void linear_buffered(int Q, const float *x, int64_t M, int64_t K, int64_t
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                        \
         for (int64_t b = 0; b < blocks; b++)                                                      \
             block_rows_##Q(x, M, ldx, K, packed + b * (BLOCK / 8) * strip_bytes(Q, K), scale, bias, \
-                           b * BLOCK, N, y, ldy, NULL, NULL);                                     \
+                           b * BLOCK, N, y, ldy ROWS_ACC_##Q);                                    \
     }
+#define ROWS_ACC_F32 , NULL, NULL
+#define ROWS_ACC_I8 , NULL, NULL
+#define ROWS_ACC_Q4_1
+#define ROWS_ACC_Q8_0
 LINEAR(int8_linear, I8)
 LINEAR(f32_linear, F32)
 LINEAR(q4_1_linear, Q4_1)

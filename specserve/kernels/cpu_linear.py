@@ -13,8 +13,9 @@ A model converted from a GGUF file holds float32 weights that are dequantized Q4
 blocks: every block of 32 weights of a row is d * q + m (Q4_1: q in 0..15, d and m float16) or
 d * q (Q8_0: q in -127..127). `pack_float32` finds those d, m and q again and keeps only them
 (0.625 or 1.06 bytes a weight instead of 4), after checking that they give back every weight
-bit for bit; the kernel rebuilds each weight with the same two IEEE operations before its
-multiply-add, so the products, and the model's tokens, are exactly the float32 model's.
+bit for bit. The kernel rebuilds each weight before its multiply-add (d * q is exact in
+float32, so d * q + m rounds once, where GGUF's dequantization rounds), so the products, and
+the model's tokens, are exactly the float32 model's.
 
 Built and loaded by specserve.kernels.cbuild. `available()` says whether it can run here, and
 `why_unavailable()` why not: no AVX2/FMA, no compiler, or the build failed.
