@@ -112,11 +112,11 @@ def decode(batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
         if not blocks:
             cpu_linear.pack_blocks = lambda weight: None
         try:
-            engines[name] = LLM(None, dtype="float32")
+            engines[name] = LLM(None, dtype="float32", speculative_config=None)
         finally:
             quant.f32_kernel_pays, cpu_linear.pack_blocks = real
     if cpu_has_native_bf16():
-        engines["bf16"] = LLM(None, dtype="bfloat16")
+        engines["bf16"] = LLM(None, dtype="bfloat16", speculative_config=None)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     names = list(engines)
     out = []

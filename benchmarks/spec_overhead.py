@@ -8,7 +8,7 @@ target itself, or prompt lookup), verification, KV rollback and bookkeeping. Wit
 Every method drafts its maximum each step (`"adaptive": false`), on B requests at once, greedy.
 
     python benchmarks/spec_overhead.py [--batch 1 16 64] [--methods none ngram eagle medusa draft_model]
-        [--vocab 512] [--max-tokens 48] [--repeats 1] [--clock wall] [--json OUT.json]
+        [--vocab 512] [--max-tokens 48] [--repeats 1] [--clock wall] [--dtype float32] [--json OUT.json]
 
 Reports, per method and batch size, milliseconds per decode step outside the target forward,
 divided by B (the per-request overhead); the part of it that is not the draft network's own
@@ -194,6 +194,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=512, help="the tiny target's vocabulary")
     p.add_argument("--repeats", type=int, default=1, help="measured rounds per batch size (the quietest counts)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--dtype", default="float32", help="every engine's dtype (float32: as on every CPU "
+                   "where our kernels run; compare checkouts in one dtype)")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall",
                    help="thread: the engine thread's CPU seconds instead of wall seconds")
     args = p.parse_args()
@@ -208,7 +210,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model, eagle, medusa = write_fixtures(Path(tmp), args.vocab)
         for method in args.methods:
-            llm = LLM(str(model), load_format="dummy", seed=3, max_model_len=512, num_blocks=2048,
+            llm = LLM(str(model), load_format="dummy", seed=3, max_model_len=512, num_blocks=2048, dtype=args.dtype,
                       max_num_seqs=max(args.batch), max_num_batched_tokens=8192,
                       speculative_config=spec_config(method, eagle, medusa, model))
             for b in args.batch:

@@ -78,3 +78,23 @@ def test_draft_int8_times_the_heads_products_and_proposals():
     lines = run.stdout.splitlines()
     assert {"fc", "qkv_proj", "gate_up_proj", "lm_head"} <= {line.split()[0] for line in lines[2:8]}
     assert "proposal (m 8, depth 4, top-2)" in run.stdout and "int8" in lines[-1]
+
+
+def test_the_baseline_does_not_speculate(tmp_path, monkeypatch):
+    """The "none" engine is plain decoding (LLM's own default is speculation, which made the
+    baseline speculate for a while), and every other engine speculates."""
+    import argparse
+    import functools
+
+    import specserve
+    from specserve.bench.spec import add_args, build_engines
+    from tests.test_eagle_medusa import tiny_llm
+
+    tiny_llm(tmp_path)  # writes the tiny model's directory (random weights: load_format dummy)
+    monkeypatch.setattr(specserve, "LLM", functools.partial(specserve.LLM, load_format="dummy", seed=3))
+    args = add_args(argparse.ArgumentParser()).parse_args(["--model", str(tmp_path / "tiny-model"),
+                                                           "--max-model-len", "256"])
+    engines = build_engines(args, [])
+    assert list(engines) == ["none", "ngram"]
+    assert engines["none"].engine.config.spec.method is None
+    assert engines["ngram"].engine.config.spec.method == "ngram"

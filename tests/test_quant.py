@@ -158,7 +158,7 @@ def test_gguf_blocks_give_the_float32_products_bit_for_bit(fmt):
     w = gguf_like(fmt, 77, 288)  # 77: a last, partial strip of columns; 288: chunks of k of 128, 128, 32
     bias = torch.randn(77)
     packed, dense = cpu_linear.pack_float32(w, bias), cpu_linear.PackedFloat32(w, bias)
-    assert packed.format == fmt and packed.packed.numel() < 2 * w.numel()  # bytes: under half of float32, padding and all
+    assert packed.format == fmt and packed.packed.numel() < 2 * w.numel()  # bytes: under half of float32, padded
     x = torch.randn(19, 288)
     for m in range(1, 20):  # every tile shape: straight from the blocks up to 12 rows, then rebuilt chunks
         assert torch.equal(packed(x[:m]).view(torch.int32), dense(x[:m]).view(torch.int32)), m

@@ -126,28 +126,14 @@ class Tally:
         return 1 + self.accepted / self.drafts if self.drafts else 1.0
 
 
-def run(args: argparse.Namespace) -> dict:
-    from tqdm import tqdm
+def build_engines(args: argparse.Namespace, variants: list[tuple[str, dict]]) -> dict:
+    """The engines to compare, by method name: "none" is plain decoding (LLM's own default
+    speculates), then ngram and whatever the options ask for."""
+    from specserve import LLM
 
-    from specserve import LLM, SamplingParams
-
-    variants = named_configs(args.eagle_variant)  # checked before any model loads
-    if args.eagle_head_only:
-        variants.insert(0, ("head-only", {"lookup_branch": 0}))
-    if variants and not args.eagle:
-        raise ValueError("--eagle-variant and --eagle-head-only need --eagle")
-    if args.min_draft_prob is not None and not args.eagle:  # options no engine would read
-        raise ValueError("--min-draft-prob needs --eagle")
-    if args.lookup_branch is not None and not (args.eagle or args.medusa):
-        raise ValueError("--lookup-branch needs --eagle or --medusa")
-    categories = args.category or CATEGORIES
-    if args.mt_bench_split and "mt_bench" not in categories:
-        raise ValueError("--mt-bench-split needs the mt_bench category")
-    prompts = load_prompts(categories, args.limit, args.mt_bench_split)
-    categories = list(dict.fromkeys(c for c, _ in prompts))  # as reported (sub-categories split)
     common_engine = {"max_model_len": args.max_model_len, "dtype": args.dtype,
                      "quantization": args.quantization}
-    engines = {"none": LLM(args.model, **common_engine)}
+    engines = {"none": LLM(args.model, **common_engine, speculative_config=None)}
     common = {"num_speculative_tokens": args.num_speculative_tokens,
               "adaptive": not args.no_adaptive}
     engines["ngram"] = LLM(args.model, **common_engine, speculative_config={
@@ -173,6 +159,29 @@ def run(args: argparse.Namespace) -> dict:
     if args.medusa:
         engines["medusa"] = LLM(args.model, **common_engine,
                                 speculative_config={"method": "medusa", "model": args.medusa, **tree})
+    return engines
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    from specserve import SamplingParams
+
+    variants = named_configs(args.eagle_variant)  # checked before any model loads
+    if args.eagle_head_only:
+        variants.insert(0, ("head-only", {"lookup_branch": 0}))
+    if variants and not args.eagle:
+        raise ValueError("--eagle-variant and --eagle-head-only need --eagle")
+    if args.min_draft_prob is not None and not args.eagle:  # options no engine would read
+        raise ValueError("--min-draft-prob needs --eagle")
+    if args.lookup_branch is not None and not (args.eagle or args.medusa):
+        raise ValueError("--lookup-branch needs --eagle or --medusa")
+    categories = args.category or CATEGORIES
+    if args.mt_bench_split and "mt_bench" not in categories:
+        raise ValueError("--mt-bench-split needs the mt_bench category")
+    prompts = load_prompts(categories, args.limit, args.mt_bench_split)
+    categories = list(dict.fromkeys(c for c, _ in prompts))  # as reported (sub-categories split)
+    engines = build_engines(args, variants)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tallies = {c: {m: Tally() for m in engines} for c in categories}
     for cat, turn in tqdm(prompts, desc="spec bench", unit="prompt"):

@@ -12,9 +12,11 @@
  * Weights come packed (specserve.kernels.cpu_linear) in strips of 8 columns, k-major inside a
  * strip ([N / 8][K][8]): a tile of C vectors reads C sequential streams and uses every byte of
  * every cache line it pulls, whatever its number of rows. N is padded to a multiple of BLOCK
- * with zero columns that are never written out; threads split blocks of BLOCK columns.
- * float32 weights stream at memory speed where MKL's GEMM, on an AVX2-only AMD CPU, took
- * twice as long at one row and ~4x at 2-16 rows (benchmarks/cpu_linear.py).
+ * with zero columns that are never written out; threads split blocks of BLOCK columns. The
+ * block formats keep, in a strip, each block of QK values of k as its 8 columns' scales (and
+ * minima) followed by their quantized values (strip_bytes). float32 weights stream at memory
+ * speed where MKL's GEMM, on an AVX2-only AMD CPU, took twice as long at one row and ~4x at
+ * 2-16 rows (benchmarks/cpu_linear.py).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -68,6 +70,15 @@ static inline int64_t strip_bytes(int Q, int64_t K) {
     return Q == F32 ? 32 * K : Q == I8 ? 8 * K : K / QK * Q_BLOCK_BYTES(Q);
 }
 
+/* Weights rebuilt from a block: Q4_1's k and k + 1 of 8 columns from their 8 bytes (low and
+ * high nibbles), and Q8_0's k of 8 columns from theirs. */
+static inline void q4_1_pair(const uint8_t *p, __m256 d, __m256 m, __m256 *w0, __m256 *w1) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), d, m);
+    *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, m);
+}
+static inline __m256 q8_0_weight(const uint8_t *p, __m256 d) { return _mm256_mul_ps(widen((const int8_t *)p), d); }
+
 /* R rows x C vectors (8 columns each) of one block, starting at column vector c0, weights in
  * format Q; scale NULL: none. The block formats rebuild each weight as GGUF's dequantization
  * does: d * q is exact in float32 (11 bits of d times 4 or 8 bits of q), so one fused
@@ -100,7 +111,6 @@ static inline __attribute__((always_inline)) void tile(
             }
         }
     } else {
-        const __m256i low = _mm256_set1_epi32(15);
         for (int64_t kb = 0; kb < K / QK; kb++) {
             const uint8_t *blk = w + kb * Q_BLOCK_BYTES(Q);
             const float *xb = x + kb * QK;
@@ -115,11 +125,7 @@ static inline __attribute__((always_inline)) void tile(
                 for (int kp = 0; kp < QK / 2; kp++) {
                     __m256 w0[8], w1[8];
 #pragma GCC unroll 8
-                    for (int c = 0; c < C; c++) {
-                        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + c * sb + 32 + 8 * kp)));
-                        w0[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d[c], m[c]);
-                        w1[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d[c], m[c]);
-                    }
+                    for (int c = 0; c < C; c++) q4_1_pair(blk + c * sb + 32 + 8 * kp, d[c], m[c], &w0[c], &w1[c]);
 #pragma GCC unroll 12
                     for (int r = 0; r < R; r++) {
                         __m256 x0 = _mm256_broadcast_ss(xb + r * ldx + 2 * kp);
@@ -134,7 +140,7 @@ static inline __attribute__((always_inline)) void tile(
                     __m256 wv[8];
 #pragma GCC unroll 8
                     for (int c = 0; c < C; c++)
-                        wv[c] = _mm256_mul_ps(widen((const int8_t *)(blk + c * sb + 16) + 8 * k), d[c]);
+                        wv[c] = q8_0_weight(blk + c * sb + 16 + 8 * k, d[c]);
 #pragma GCC unroll 12
                     for (int r = 0; r < R; r++) {
                         __m256 xv = _mm256_broadcast_ss(xb + r * ldx + k);
@@ -226,7 +232,7 @@ BLOCK_ROWS(I8)
 Q_BLOCK_ROWS(Q4_1)
 Q_BLOCK_ROWS(Q8_0)
 
-/* The block formats at several rows: a chunk of KC values of k of one block's 8 strips is
+/* The block formats from BUFFER_ROWS rows on: a chunk of KC values of k of one block's 8 strips is
  * rebuilt into float32 once (BLOCK x KC floats, in the float32 strip layout), then every row
  * multiplies it with the float32 tiles; the sums carry from chunk to chunk through acc
  * (BLOCK floats a row), and the last chunk stores them with the bias. Each output is the same
@@ -234,22 +240,20 @@ Q_BLOCK_ROWS(Q8_0)
 #define KC 128
 static void rebuild(int Q, const uint8_t *wb, int64_t K, int64_t k0, int64_t kc, float *buf) {
     const int64_t sb = strip_bytes(Q, K);
-    const __m256i low = _mm256_set1_epi32(15);
     for (int c = 0; c < 8; c++)
         for (int64_t kb = k0 / QK; kb < (k0 + kc) / QK; kb++) {
             const uint8_t *blk = wb + c * sb + kb * Q_BLOCK_BYTES(Q);
             float *out = buf + 8 * (c * kc + kb * QK - k0);
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)), w0, w1;
             if (Q == Q4_1) {
                 __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
                 for (int kp = 0; kp < QK / 2; kp++) {
-                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 32 + 8 * kp)));
-                    _mm256_storeu_ps(out + 16 * kp, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d, m));
-                    _mm256_storeu_ps(out + 16 * kp + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, m));
+                    q4_1_pair(blk + 32 + 8 * kp, d, m, &w0, &w1);
+                    _mm256_storeu_ps(out + 16 * kp, w0);
+                    _mm256_storeu_ps(out + 16 * kp + 8, w1);
                 }
             } else {
-                for (int k = 0; k < QK; k++)
-                    _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(widen((const int8_t *)(blk + 16) + 8 * k), d));
+                for (int k = 0; k < QK; k++) _mm256_storeu_ps(out + 8 * k, q8_0_weight(blk + 16 + 8 * k, d));
             }
         }
 }
