@@ -3,9 +3,10 @@
 B requests of a fixed prompt (about --context tokens) are prefilled, then --steps decode-only
 steps of the engine (no speculation) are profiled. Each CPU op's self time goes to a class:
 
-  gemm        aten::mm / addmm / bmm / linear's products (weights read here); with
-              --quantization int8 our kernel's calls (a specserve::cpu_linear range)
-  attention   scaled_dot_product_attention and the KV gather / write of the backend
+  gemm        aten::mm / addmm / bmm / linear's products (weights read here), and our
+              linear kernel's calls (every weight format: a specserve::cpu_linear range)
+  attention   scaled_dot_product_attention, our paged attention kernel and the KV gather /
+              write of the backend
   small ops   every other ATen op (norms, rotary, activations, copies, views, indexing, cat)
   sampling    argmax / softmax / topk / sort / multinomial and the logits' own ops
   python      the step's wall time minus every op's self time: interpreter, module calls,
@@ -32,8 +33,27 @@ GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_weight_i
         "specserve::cpu_linear")
 ATTENTION = ("scaled_dot_product", "attention", "aten::index_select", "aten::index_copy_", "aten::index_put_",
              "aten::gather", "aten::scatter")
-SAMPLING = ("aten::argmax", "aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
+SAMPLING = ("specserve::argmax", "aten::argmax", "aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
             "aten::topk", "aten::sort", "aten::multinomial", "aten::max")
+
+
+def name_kernels() -> None:
+    """Our C kernels are no ATen ops: give their calls named ranges, so that their time is
+    counted as products, attention or small ops rather than as Python."""
+    import torch
+
+    from specserve.kernels import cpu_attention, cpu_linear, layer_ops
+
+    def named(fn, label):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+        return call
+
+    cpu_linear._Packed.__call__ = named(cpu_linear._Packed.__call__, "specserve::cpu_linear")
+    cpu_attention.paged_attention = named(cpu_attention.paged_attention, "specserve::paged_attention")
+    for op in ("rms_norm", "rotary_", "silu_mul", "argmax"):
+        setattr(layer_ops, op, named(getattr(layer_ops, op), f"specserve::{op}"))
 
 
 def classify(name: str) -> str:
@@ -100,18 +120,7 @@ def main() -> None:
 
     llm = LLM(args.model, dtype=args.dtype, speculative_config=None, max_num_seqs=max(args.batch),
               enable_prefix_caching=False, quantization=args.quantization)
-    if args.quantization == "int8":  # our kernel is no ATen op: give its calls a named range
-        import torch
-
-        from specserve.kernels import cpu_linear
-
-        kernel = cpu_linear.PackedInt8.__call__
-
-        def named(self, x):
-            with torch.profiler.record_function("specserve::cpu_linear"):
-                return kernel(self, x)
-
-        cpu_linear.PackedInt8.__call__ = named
+    name_kernels()
     results = []
     for b in args.batch:
         r = profile(llm, b, args.context, args.steps)
