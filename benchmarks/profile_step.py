@@ -33,8 +33,8 @@ GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_weight_i
         "specserve::cpu_linear")
 ATTENTION = ("scaled_dot_product", "attention", "aten::index_select", "aten::index_copy_", "aten::index_put_",
              "aten::gather", "aten::scatter")
-SAMPLING = ("specserve::argmax", "aten::argmax", "aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
-            "aten::topk", "aten::sort", "aten::multinomial", "aten::max")
+SAMPLING = ("specserve::argmax", "aten::argmax", "aten::softmax", "aten::_softmax", "aten::log_softmax",
+            "aten::_log_softmax", "aten::topk", "aten::sort", "aten::multinomial", "aten::max")
 
 
 def name_kernels() -> None:
