@@ -40,7 +40,8 @@ def test_prompts_are_not_spec_bench_prompts():
 @pytest.mark.parametrize("argv, message", [
     (["--config", "ngram"], "--config 'ngram': expected NAME=JSON"),
     (["--config", 'ngram={"method": '], "--config .*expected NAME=JSON"),
-    (["--config", 'none={"method": "ngram"}'], "'none' is plain decoding"),
+    (["--config", 'none={"method": "ngram"}'], "'none' and 'none-2' are plain decoding"),
+    (["--config", 'none-2={"method": "ngram"}'], "'none' and 'none-2' are plain decoding"),
     (["--config", 'a={"method": "ngram"}', "--config", 'a={"method": "eagle"}'], "names must be unique"),
     (["--config", "a={}"], "--config a: no speculative method"),
     (["--concurrency", "0", "4"], "--concurrency: every level must be at least 1"),
@@ -74,19 +75,20 @@ def test_tiny_model_run_writes_json_and_png_and_is_lossless(tmp_path, tiny_model
     out = tmp_path / "out"
     result = run(parse(["--model", str(tiny_model_dir), "--concurrency", "1", "2", "--requests", "3",
                         "--max-tokens", "8", "--max-model-len", "512", "--split", "dev",
-                        "--config", 'ngram={"method": "ngram"}', "--out", str(out)]))
+                        "--config", 'ngram={"method": "ngram"}', "--control", "--out", str(out)]))
     saved = json.loads((out / "load.json").read_text())
     assert saved == json.loads(json.dumps(result))
     assert (out / "load.png").stat().st_size > 0
     assert saved["split"] == "dev" and saved["dtype"] and saved["machine"]["cpu_count"]
-    assert list(saved["methods"]) == ["none", "ngram"] and saved["methods"]["none"] is None
+    assert list(saved["methods"]) == ["none", "none-2", "ngram"] and saved["methods"]["none-2"] is None
     assert [row["concurrency"] for row in saved["rows"]] == [1, 2]
     for row in saved["rows"]:
-        assert row["requests"] == 3 and set(row["methods"]) == {"none", "ngram"}
+        assert row["requests"] == 3 and set(row["methods"]) == {"none", "none-2", "ngram"}
         for stats in row["methods"].values():
             assert stats["mismatches"] == 0 and stats["tokens_per_s"] > 0 and stats["tokens"] > 0
         assert row["methods"]["none"]["speedup"] == 1.0
         assert row["methods"]["ngram"]["tokens"] == row["methods"]["none"]["tokens"]
+        assert row["methods"]["none-2"]["mean_acceptance_length"] == 1.0  # the control never drafts
     table = capsys.readouterr().out
     assert "tok/s" in table and "mismatch" in table and "split dev" in table
 

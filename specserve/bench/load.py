@@ -73,6 +73,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--sequential", action="store_true",
                         help="run the methods one after another (default: their steps alternate, "
                              "so that the machine's drift slows them alike)")
+    parser.add_argument("--control", action="store_true",
+                        help="also run a second plain engine ('none-2'): its ratio to 'none' is what two "
+                             "identical engines differ by on this machine in this run (the noise floor)")
     parser.add_argument("--split", default="all", choices=SPLITS,
                         help="prompts to run (heldout: never used for tuning)")
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -86,8 +89,8 @@ def check_options(args: argparse.Namespace) -> list[tuple[str, dict]]:
     model loads."""
     configs = named_configs(args.config or DEFAULT_CONFIGS, "--config")
     names = [name for name, _ in configs]
-    if "none" in names:
-        raise ValueError("--config: the name 'none' is plain decoding, which always runs; pick another")
+    if "none" in names or "none-2" in names:
+        raise ValueError("--config: the names 'none' and 'none-2' are plain decoding; pick another")
     if len(set(names)) != len(names):
         raise ValueError(f"--config: names must be unique, got {', '.join(names)}")
     for name, keys in configs:
@@ -211,6 +214,8 @@ def load_engines(args: argparse.Namespace, configs: list[tuple[str, dict]]) -> d
               "dtype": args.dtype, "enable_prefix_caching": False,
               "quantization": args.quantization}
     engines = {"none": LLM(args.model, speculative_config=None, **common)}
+    if getattr(args, "control", False):
+        engines["none-2"] = LLM(args.model, speculative_config=None, **common)
     for name, keys in configs:
         engines[name] = LLM(args.model, speculative_config=keys, **common)
     return engines
@@ -299,7 +304,7 @@ def run(args: argparse.Namespace) -> dict:
               "quantization": args.quantization,
               "split": args.split, "num_prompts": len(rows),
               "prompts": {k: sum(r["kind"] == k for r in rows) for k in ("chat", "code")},
-              "methods": {"none": None, **dict(configs)},
+              "methods": {"none": None, **({"none-2": None} if args.control else {}), **dict(configs)},
               "options": {k: v for k, v in vars(args).items() if k != "func" and not k.startswith("_")},
               "rows": table}
     print_table(result)
