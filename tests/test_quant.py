@@ -273,3 +273,18 @@ def test_int8_default_model_speculates_losslessly():
         llm = LLM(None, speculative_config=config, quantization="int8", num_blocks=64)
         outs[str(config)] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs["None"] == outs[str({"method": "ngram"})]
+
+
+def test_auto_dtype_is_float32_where_our_kernels_run(monkeypatch):
+    """dtype "auto" on a CPU: float32 wherever our C kernels run (they beat oneDNN's bfloat16
+    on the AVX512-BF16 machine bfloat16 had been chosen for), bfloat16 on a native-bfloat16
+    CPU without them, float32 elsewhere; explicit dtypes are kept."""
+    import specserve.model.runner as runner
+
+    cpu = torch.device("cpu")
+    assert runner.pick_dtype("bfloat16", cpu) == torch.bfloat16
+    for kernels, native, want in ((True, True, torch.float32), (True, False, torch.float32),
+                                  (False, True, torch.bfloat16), (False, False, torch.float32)):
+        monkeypatch.setattr(cpu_linear, "available", lambda kernels=kernels: kernels)
+        monkeypatch.setattr(runner, "cpu_has_native_bf16", lambda native=native: native)
+        assert runner.pick_dtype("auto", cpu) == want, (kernels, native)

@@ -214,7 +214,7 @@ def load_engines(args: argparse.Namespace, configs: list[tuple[str, dict]]) -> d
               "dtype": args.dtype, "enable_prefix_caching": False,
               "quantization": args.quantization}
     engines = {"none": LLM(args.model, speculative_config=None, **common)}
-    if getattr(args, "control", False):
+    if args.control:
         engines["none-2"] = LLM(args.model, speculative_config=None, **common)
     for name, keys in configs:
         engines[name] = LLM(args.model, speculative_config=keys, **common)
