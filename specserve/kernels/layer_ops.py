@@ -7,7 +7,8 @@ they are four calls per layer. `rms_norm` sums the residual in (the same additio
 PyTorch's) and normalises each row with its own fixed summation order (batch-invariant, not
 PyTorch's bits); `rotary_` computes exactly PyTorch's rotate-half expression (the same bits);
 `silu_mul` is the MLP's silu(gate) * up (to ~1e-7); `argmax` gives exactly torch.argmax's
-indices, in a fraction of its time over a vocabulary. Built and loaded by
+indices, in a fraction of its time over a vocabulary; `copy_slots` moves KV cache slots in every
+layer at once. Built and loaded by
 specserve.kernels.cbuild; `available()` says whether they can run here.
 """
 
@@ -33,6 +34,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.top_logprobs.restype = None
     lib.silu_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
     lib.silu_mul.restype = None
+    lib.copy_slots.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64]
+    lib.copy_slots.restype = ctypes.c_int
 
 
 _kernel = Kernel(Path(__file__).with_name("layer_ops.c"), _declare)
@@ -93,3 +96,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], inter)
     _kernel.lib.silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+
+def slot_mover(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """A callable (src, dst) that copies, in every layer of k_cache and v_cache ([L, num_blocks,
+    block_size, ...] contiguous, one dtype, on the CPU), slot src[i] to slot dst[i] (slot =
+    block * block_size + offset; lists of ints), every source read before any write: what
+    specserve.kernels.compact_kv does, in one C call (the geometry is read once, here)."""
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert k_cache.dtype == v_cache.dtype and k_cache.dim() >= 3 and k_cache.device.type == "cpu"
+    k, v, layers = k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0]
+    slots, size = k_cache.shape[1] * k_cache.shape[2], k_cache.element_size()
+    row, layer_stride = k_cache.stride(2) * size, k_cache.stride(0) * size
+    copy = _kernel.lib.copy_slots
+
+    def move(src: list[int], dst: list[int]) -> None:
+        n = len(src)
+        if not n:
+            return
+        if len(dst) != n or min(src) < 0 or min(dst) < 0 or max(src) >= slots or max(dst) >= slots:
+            raise IndexError(f"copy_slots: {n} sources, {len(dst)} targets, slots 0..{slots - 1}")
+        ids = (ctypes.c_int64 * (2 * n))(*src, *dst)
+        if copy(k, v, layers, layer_stride, row, row, ids, ctypes.byref(ids, 8 * n), n):
+            raise MemoryError("copy_slots: out of memory")
+
+    return move

@@ -18,6 +18,7 @@ import torch
 
 from specserve.config import CacheConfig, ModelConfig
 from specserve.host import int_tensor
+from specserve.kernels import layer_ops
 from specserve.model.arch import ModelArch
 from specserve.model import tree_mask
 from specserve.model.attention import get_attention_backend
@@ -105,6 +106,8 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))
+        self._move_slots = (layer_ops.slot_mover(self.k_cache, self.v_cache)
+                            if self.device.type == "cpu" and layer_ops.available() else None)
         logger.info("model ready in %.1f s on %s (%s%s, %s attention); KV cache: %d blocks of %d "
                     "tokens", time.time() - start, self.device, str(self.dtype).split(".")[-1],
                     ", int8 weights" if self.quantization == "int8" else "",
@@ -148,6 +151,9 @@ class ModelRunner:
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of cache slots src to slots dst in every layer (accepted draft paths
         moving next to their roots): one call for all layers."""
+        if self._move_slots is not None:  # the CPU: one C call, no index tensors
+            self._move_slots(src, dst)
+            return
         from specserve.kernels import compact_kv
 
         slots = int_tensor([src, dst], self.device)

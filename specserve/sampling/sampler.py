@@ -197,7 +197,7 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     x86 CPU one C call (specserve.kernels.layer_ops.top_logprobs, ~3x PyTorch's log_softmax
     then topk over a vocabulary); ties may come in another order than PyTorch's."""
     logits = logits.float()
-    if logits.device.type == "cpu" and logits.numel() >= 2048 and logits.stride(-1) == 1 and layer_ops.available():
+    if logits.device.type == "cpu" and logits.stride(-1) == 1 and layer_ops.available():
         return layer_ops.top_logprobs(logits, k)
     return logits.log_softmax(-1).topk(k, -1)
 

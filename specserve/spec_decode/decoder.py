@@ -194,7 +194,9 @@ class SpecDecoder:
             off += n
         hidden = step.all_hidden
         if len(index) < len(hidden):  # drafts not accepted, or rows of requests not shown
-            hidden = hidden.index_select(0, int_tensor(index, hidden.device))
+            # index is increasing: a prefix of the rows (first-choice paths accepted) is a view
+            hidden = (hidden[:len(index)] if index[-1] == len(index) - 1
+                      else hidden.index_select(0, int_tensor(index, hidden.device)))
         self.proposer.observe(ids, starts, sizes, hidden)
 
     # -- drafting --------------------------------------------------------------------------------

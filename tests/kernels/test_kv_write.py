@@ -3,7 +3,7 @@ import importlib.util
 import pytest
 import torch
 
-from specserve.kernels import compact_kv, write_kv
+from specserve.kernels import compact_kv, layer_ops, write_kv
 from specserve.kernels.kv_write import compact_kv_ref, compact_kv_triton, write_kv_ref, write_kv_triton
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -77,6 +77,31 @@ def test_compact_kv(impl, layers, move):
     _literal_compact(ref_k, src, dst)
     _literal_compact(ref_v, src, dst)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+needs_c = pytest.mark.skipif(not layer_ops.available(), reason="our C kernels cannot run here")
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("move", MOVES)
+def test_slot_mover_is_compact_kv(dtype, move):
+    """The CPU's one-call move (layer_ops.slot_mover, what ModelRunner.move_kv uses) gives
+    what the reference gives, overlaps included, in every layer of K and V."""
+    kc, vc = _cache((3, 4, 16, 2, 64), dtype, "cpu")
+    ref_k, ref_v = kc.clone(), vc.clone()
+    layer_ops.slot_mover(kc, vc)(*move)
+    compact_kv_ref(ref_k, ref_v, torch.tensor(move[0], dtype=torch.long), torch.tensor(move[1], dtype=torch.long))
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+@needs_c
+def test_slot_mover_checks_slots():
+    kc, vc = _cache((2, 4, 16, 2, 8), device="cpu")
+    before = kc.clone()
+    with pytest.raises(IndexError):
+        layer_ops.slot_mover(kc, vc)([3, 64], [0, 1])  # 4 blocks of 16: slots 0..63
+    assert torch.equal(kc, before)
 
 
 def test_dispatch_cpu():
