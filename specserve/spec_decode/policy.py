@@ -166,7 +166,8 @@ class SpecPolicy:
         v = np.zeros(len(tree))
         if tree.scores is not None:
             scored = [i for i, s in enumerate(tree.scores) if s is not None]
-            v[scored] = self.scores.values(np.array([tree.scores[i] for i in scored]))
+            if scored:  # (lookup chains alone have none)
+                v[scored] = self.scores.values(np.array([tree.scores[i] for i in scored]))
         if state.chain_nodes:
             own = state.lookup
             rates = (own.accepted + 2 * self.lookup.rates()) / (own.tried + 2)
@@ -184,13 +185,18 @@ class SpecPolicy:
         with drafts; the other batch - len(trees) requests have none."""
         if not self.adaptive:
             return [list(range(len(t))) for t in trees]
-        nodes = [(-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
-                 for i, d in enumerate(t.depth)]
-        nodes.sort()
-        nodes = nodes[:max(0, max_rows - batch)]
         keep: list[list[int]] = [[] for _ in trees]
         plain = self.cost.step_time(batch, batch)
         limit, rows = plain / (1 - FAIRNESS), 0  # what probes may bring the step to
+        # every node at the price of one row: the best any selection could reach (a step's
+        # time grows with its rows); most steps under load end here, none of the rest run
+        best_case = (batch + sum(float(v.sum()) for v in values)) / self.cost.step_time(batch, batch + 1)
+        nodes = []
+        if best_case > batch / plain * (1 + MARGIN):
+            nodes = [(-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
+                     for i, d in enumerate(t.depth)]
+            nodes.sort()
+            nodes = nodes[:max(0, max_rows - batch)]
         if nodes:
             gained = batch - np.cumsum([n[0] for n in nodes])  # tokens after the first n nodes
             n_rows = batch + np.arange(1, len(nodes) + 1)
