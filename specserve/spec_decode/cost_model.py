@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -234,7 +235,7 @@ class Realized:
 
     @staticmethod
     def bucket(batch: int) -> int:
-        return batch if batch <= 4 else 100 + round(2 * np.log2(batch))
+        return batch if batch <= 4 else 100 + round(2 * math.log2(batch))  # (a numpy scalar costs more)
 
     def observe(self, batch: int, speculated: bool, seconds: float, tokens: int, plain_time: float) -> None:
         """A whole decode step of `batch` requests emitting `tokens`; plain_time: the model's
