@@ -113,6 +113,25 @@ def test_probes_stay_within_the_others_slow_down_budget():
     assert policy.select(1, trees[:1], values[:1], [True], 4096) == [[0]]
 
 
+def test_the_early_exit_changes_no_selection():
+    """select's bound (_may_pay) only skips work: on random cost curves, trees, values, batch
+    sizes and probes, it keeps exactly what the full computation keeps."""
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        base, per_row, knee = rng.uniform(0.005, 0.05), rng.uniform(0, 0.01), rng.integers(1, 16)
+        policy = calibrated(SpecPolicy(model(lambda r: base + per_row * max(0, r - knee) + 1e-4 * r,
+                                             per_request=rng.uniform(0, 0.005)), max_depth=8))
+        batch = int(rng.integers(1, 12))
+        trees = [chain_tree(int(rng.integers(1, 9)), rng.uniform(0.05, 0.95))
+                 for _ in range(int(rng.integers(1, batch + 1)))]
+        state = policy.new_state()
+        values = [policy.values(state, t) for t in trees]
+        probes = [bool(rng.uniform() < 0.3) for _ in trees]
+        fast = policy.select(batch, trees, values, probes, 4096)
+        policy._may_pay = lambda *args: True
+        assert policy.select(batch, trees, values, probes, 4096) == fast, trial
+
+
 def test_score_calibration_learns_from_verified_nodes():
     """Likely nodes that keep being rejected lose their value (down to the next likelier bin's:
     a likelier node is never worth less); the unlikely bins keep theirs."""

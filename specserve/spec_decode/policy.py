@@ -188,11 +188,11 @@ class SpecPolicy:
         keep: list[list[int]] = [[] for _ in trees]
         plain = self.cost.step_time(batch, batch)
         limit, rows = plain / (1 - FAIRNESS), 0  # what probes may bring the step to
-        # every node at the price of one row: the best any selection could reach (a step's
-        # time grows with its rows); most steps under load end here, none of the rest run
-        best_case = (batch + sum(float(v.sum()) for v in values)) / self.cost.step_time(batch, batch + 1)
         nodes = []
-        if best_case > batch / plain * (1 + MARGIN):
+        # a request without drafts advances one token either way: the step may cost no more
+        # than a plain one, FAIRNESS aside (see _worst_served)
+        cap = plain / (1 - FAIRNESS) if len(trees) < batch else math.inf
+        if self._may_pay(batch, values, max_rows, batch / plain * (1 + MARGIN), cap):
             nodes = [(-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
                      for i, d in enumerate(t.depth)]
             nodes.sort()
@@ -215,6 +215,28 @@ class SpecPolicy:
                     break
                 keep[b], rows = [0], rows + 1
         return keep
+
+    def _may_pay(self, batch: int, values: list[np.ndarray], max_rows: int, threshold: float,
+                 cap: float) -> bool:
+        """Whether any count of nodes could beat `threshold` tokens per second in a step of at
+        most `cap` seconds: an upper bound of every rate `select` keeps, in Python floats
+        (most steps under load end here, and a step's few dozen numpy calls cost more than its
+        forward's noise). The best n nodes carry the n largest values, and for n in [lo, 2 lo)
+        the rate is at most (batch + the 2 lo - 1 largest values) / t(batch, batch + lo): the
+        step's time grows with its rows."""
+        flat = sorted((x for v in values for x in v.tolist()), reverse=True)[:max(0, max_rows - batch)]
+        total, lo, at = float(batch), 1, 0
+        while lo <= len(flat):
+            t = self.cost.step_time(batch, batch + lo)
+            if t > cap:
+                return False
+            hi = min(2 * lo - 1, len(flat))
+            total += sum(flat[at:hi])
+            at = hi
+            if total / t > threshold:
+                return True
+            lo *= 2
+        return False
 
     @staticmethod
     def _worst_served(nodes: list[tuple], num_trees: int, batch: int) -> np.ndarray:
