@@ -293,6 +293,27 @@ def test_a_gated_off_head_adds_no_work(tmp_path):
         assert all(passes[at][0] == 4 for at in active[1:])
 
 
+def test_the_head_lets_go_of_the_features_it_has_run(tmp_path):
+    """A feature is read once, when its pair goes through the head (the last pair may be run
+    again after a rollback): a long generation keeps a few per request, not one per token, and
+    output stays exact."""
+    ref = greedy_ids(tiny_llm(tmp_path), PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
+    config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "num_speculative_tokens": 4,
+              "adaptive": False, "quantization": "none"}
+    engine = tiny_llm(tmp_path, config).engine
+    engine.add_request("r", PROMPTS[0]["prompt_token_ids"], SamplingParams(temperature=0.0, max_tokens=80,
+                                                                           ignore_eos=True))
+    held, out = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o.outputs[0].token_ids
+        cache = engine.spec.proposer.cache.get("r")
+        if cache is not None:
+            held.append((len(cache.feats), sum(f is not None for f in cache.feats)))
+    assert out == ref[0]
+    assert held[-1][0] > 60 and max(live for _, live in held[2:]) <= 2 + 4 + 1  # 1 + drafts + the rerun one
+
+
 def test_lookup_chains_alone_keep_greedy_output(tmp_path):
     """With the head gated off for good, tree methods still draft the grafted prompt-lookup
     chains (no head pass); the output is plain greedy's."""
@@ -427,7 +448,7 @@ def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
     assert chain.is_chain and len(chain) == 3
     seq = req.all_token_ids + chain.tokens
     n = req.num_tokens - 1
-    feats = torch.stack(prop.cache["r"].feats)  # [n, hidden]
+    feats = h  # [n, hidden]: what it was shown (it lets go of the features of pairs it has run)
     feats = torch.cat([feats, torch.zeros(3, feats.shape[1])])[None]  # positions >= n: unused
     embeds = runner.model.embed_tokens.weight[torch.tensor(seq[1:n + 4])][None]
     with torch.no_grad():

@@ -1,8 +1,10 @@
 """EagleProposer: EAGLE-2 dynamic draft trees from a feature-level head, batched over requests.
 
 Per request the proposer keeps a cache, never the truth: the target features it was shown
-(`observe`) and the head's K/V of the committed pairs (f_t, x_{t+1}), t < P
-(specserve.spec_decode.eagle_head). `propose`, for a batch of requests:
+(`observe`) until their pairs have run (but the last: a rollback may run it again) or have
+fallen out of the next catch-up's window, and the
+head's K/V of the committed pairs (f_t, x_{t+1}), t < P (specserve.spec_decode.eagle_head).
+`propose`, for a batch of requests:
 
   1. catch up: one head pass over every request's committed pairs not run yet (the last
      step's accepted tokens; all since the request was last drafted for; the prompt at first),
@@ -51,7 +53,8 @@ PROMPT_WINDOW = 64  # most pairs of a request's first pass: the prompt's last on
 @dataclass
 class _HeadCache:
     base: int = 0  # position of feats[0]: > 0 after a prefix-cache hit (no features before it)
-    feats: list[torch.Tensor] = field(default_factory=list)  # target features f_base.., each [hidden]
+    feats: list[torch.Tensor | None] = field(default_factory=list)  # target features f_base.., each [hidden]
+    dropped: int = 0  # feats[:dropped] are None: pairs the head has run, never read again
     kv: HeadKV = field(default_factory=HeadKV)  # head K/V: the committed pairs, then a tree
     pairs: int = 0  # P: committed pairs in kv
     last_out: torch.Tensor | None = None  # [hidden] head output of pair P - 1 (f_hat_P)
@@ -106,14 +109,17 @@ class EagleProposer:
         rows, end = hidden.to(self.dtype).unbind(0), 0
         for rid, start, n in zip(request_ids, starts, sizes):
             c = self.cache.get(rid)
-            if c is None or not c.base <= start <= c.base + len(c.feats):
-                # new, or a gap (prefix-cache hit: the target never computed those features)
+            if c is None or not c.base + c.dropped <= start <= c.base + len(c.feats):
+                # new, a gap (prefix-cache hit: the target never computed those features), or
+                # a rollback past the features already let go
                 c = self.cache[rid] = _HeadCache(base=start)
             del c.feats[start - c.base:]
             if c.pairs > start - c.base:
                 c.pairs, c.last_out = start - c.base, None
             c.feats.extend(rows[end:end + n])
             end += n
+            # the next catch-up reads at most the last `window` (a gap longer than that restarts)
+            _let_go(c, len(c.feats) - (self.window if c.pairs else self.prompt_window))
 
     def free(self, request_id: str) -> None:
         self.cache.pop(request_id, None)
@@ -136,6 +142,7 @@ class EagleProposer:
             if n - c.pairs > window:  # a long gap since its last run, or a long prompt: the last ones
                 cut = n - window
                 c.base, c.feats, c.kv, c.pairs, c.last_out = c.base + cut, c.feats[cut:], HeadKV(), 0, None
+                c.dropped = 0
                 n = window
             p = min(c.pairs, n - 1)  # rolled back exactly to here: recompute the last pair
             todo.append((c, n))
@@ -148,6 +155,7 @@ class EagleProposer:
             for (c, n), seg in zip(todo, rows[3]):
                 end += seg.rows
                 c.pairs, c.last_out = n, out[end]
+                _let_go(c, n - 1)  # run; only the last pair may be recomputed
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:
@@ -214,6 +222,14 @@ class EagleProposer:
             g.rows += [-1] * new
             best = sorted(range(start, len(g.tokens)), key=g.scores.__getitem__, reverse=True)[:k]  # stable
             g.frontier = [i for i in best if g.scores[i] >= min_score]
+
+
+def _let_go(c: _HeadCache, upto: int) -> None:
+    """Features before index `upto` are never read again: let them go (their place stays,
+    as None, so that indices and lengths keep their meaning)."""
+    for i in range(c.dropped, upto):
+        c.feats[i] = None
+    c.dropped = max(c.dropped, upto)
 
 
 def _rerank(tokens: list[int], parents: list[int], scores: list[float], m: int,
