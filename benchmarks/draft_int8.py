@@ -85,17 +85,26 @@ def main() -> None:
 
     hidden = prompt_features(runner, kv, req)
     req.all_token_ids.append(0)  # the pending token
-    batch = ProposeBatch([req.request_id], [req.all_token_ids], [args.m], -float("inf"), [req.params], [0],
-                         [req.block_ids], [req.num_computed_tokens])
-    for prop in heads.values():  # the prompt's features, and the head's pass over the whole prompt
-        prop.observe([req.request_id], [0], [len(hidden)], hidden)
-        prop.propose(batch)
+    rid, k = req.request_id, len(hidden) - args.redo
+
+    def batch_of(tokens: list[int]) -> ProposeBatch:
+        return ProposeBatch([rid], [tokens], [args.m], -float("inf"), [req.params], [0], [req.block_ids],
+                            [req.num_computed_tokens])
+
+    def run_all_but_redo(prop) -> None:
+        """The head has run the prompt's pairs but the last `redo` (a proposal a step earlier,
+        untimed), and has been shown the features of those `redo`."""
+        prop.free(rid)
+        prop.observe([rid], [0], [k], hidden[:k])
+        prop.propose(batch_of(req.all_token_ids[:k + 1]))
+        prop.observe([rid], [k], [args.redo], hidden[k:])
+
+    batch = batch_of(req.all_token_ids)
     times = {name: float("inf") for name in heads}
     trees = {}
     for _ in range(args.runs):
         for name, prop in heads.items():
-            c = prop.cache[req.request_id]
-            c.pairs, c.last_out = c.pairs - args.redo, None  # the first pass covers `redo` committed tokens
+            run_all_but_redo(prop)  # the timed pass covers `redo` committed tokens
             start = time.perf_counter()
             trees[name] = prop.propose(batch)[0]
             times[name] = min(times[name], time.perf_counter() - start)
