@@ -98,7 +98,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-
 def slot_mover(k_cache: torch.Tensor, v_cache: torch.Tensor):
     """A callable (src, dst) that copies, in every layer of k_cache and v_cache ([L, num_blocks,
     block_size, ...] contiguous, one dtype, on the CPU), slot src[i] to slot dst[i] (slot =

@@ -2,9 +2,8 @@
 
 Per request the proposer keeps a cache, never the truth: the target features it was shown
 (`observe`) until their pairs have run (but the last: a rollback may run it again) or have
-fallen out of the next catch-up's window, and the
-head's K/V of the committed pairs (f_t, x_{t+1}), t < P (specserve.spec_decode.eagle_head).
-`propose`, for a batch of requests:
+fallen out of the next catch-up's window, and the head's K/V of the committed pairs
+(f_t, x_{t+1}), t < P (specserve.spec_decode.eagle_head). `propose`, for a batch of requests:
 
   1. catch up: one head pass over every request's committed pairs not run yet (the last
      step's accepted tokens; all since the request was last drafted for; the prompt at first),
@@ -54,7 +53,7 @@ PROMPT_WINDOW = 64  # most pairs of a request's first pass: the prompt's last on
 class _HeadCache:
     base: int = 0  # position of feats[0]: > 0 after a prefix-cache hit (no features before it)
     feats: list[torch.Tensor | None] = field(default_factory=list)  # target features f_base.., each [hidden]
-    dropped: int = 0  # feats[:dropped] are None: pairs the head has run, never read again
+    dropped: int = 0  # feats[:dropped] are None, never read again (run, or past the next catch-up's window)
     kv: HeadKV = field(default_factory=HeadKV)  # head K/V: the committed pairs, then a tree
     pairs: int = 0  # P: committed pairs in kv
     last_out: torch.Tensor | None = None  # [hidden] head output of pair P - 1 (f_hat_P)
