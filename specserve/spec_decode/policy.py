@@ -188,11 +188,11 @@ class SpecPolicy:
         keep: list[list[int]] = [[] for _ in trees]
         plain = self.cost.step_time(batch, batch)
         limit, rows = plain / (1 - FAIRNESS), 0  # what probes may bring the step to
+        beat = batch / plain * (1 + MARGIN)  # the rate a selection must exceed
         nodes = []
         # a request without drafts advances one token either way: the step may cost no more
         # than a plain one, FAIRNESS aside (see _worst_served)
-        cap = plain / (1 - FAIRNESS) if len(trees) < batch else math.inf
-        if self._may_pay(batch, values, max_rows, batch / plain * (1 + MARGIN), cap):
+        if self._may_pay(batch, values, max_rows, beat, limit if len(trees) < batch else math.inf):
             nodes = [(-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
                      for i, d in enumerate(t.depth)]
             nodes.sort()
@@ -205,7 +205,7 @@ class SpecPolicy:
             worst = self._worst_served(nodes, len(trees), batch)
             rates[worst < times / plain * (1 - FAIRNESS)] = 0.0
             best = int(np.argmax(rates))
-            if rates[best] > batch / plain * (1 + MARGIN):
+            if rates[best] > beat:
                 for _, _, b, i in nodes[:best + 1]:
                     keep[b].append(i)
                 limit, rows = max(limit, times[best]), best + 1
