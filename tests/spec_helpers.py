@@ -30,8 +30,11 @@ def set_num_drafts(llm, k: int) -> None:
 
 def check_tree(tree):
     """Assert DraftTree's invariants (parents first, distinct siblings, probabilities on chains
-    only); returns the tree."""
+    only, depth first where it says so); returns the tree."""
+    from specserve.spec_decode.draft_tree import preorder
+
     assert len(tree.tokens) == len(tree.parents) and all(-1 <= p < i for i, p in enumerate(tree.parents))
+    assert not tree.dfs or preorder(tree.parents, range(len(tree))) == list(range(len(tree)))
     assert len(set(zip(tree.parents, tree.tokens))) == len(tree.tokens), "sibling tokens are distinct"
     assert tree.probs is None or (tree.probs.shape[0] == len(tree.tokens) and tree.is_chain)
     return tree

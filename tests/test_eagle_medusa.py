@@ -133,7 +133,9 @@ def test_trees_in_the_engine_equal_plain_greedy(tmp_path, method, caplog):
         out = tree_parents(sched)
         for i, (req, k) in enumerate(zip(sched.requests, sched.num_drafts)):
             if k:
-                chain = engine.spec._scheduled(req, k).is_chain
+                tree = check_tree(engine.spec._scheduled(req, k))
+                assert tree.dfs  # both proposers' trees come depth first, as verification wants them
+                chain = tree.is_chain
                 assert (out is None or out[i] is None) == chain
                 shapes[chain] += 1
         return out
@@ -155,7 +157,7 @@ class Oracle:
     """A proposer that knows plain greedy's output and hides it in a tree behind decoys:
     accepted paths are never a prefix of the tree, so their KV must be moved into place."""
 
-    name, needs_hidden = "oracle", False
+    name, needs_hidden, last_hidden_only = "oracle", False, False
 
     def __init__(self, outputs: dict[tuple, list[int]]) -> None:
         self.outputs = outputs  # prompt -> greedy output
@@ -394,6 +396,12 @@ def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
     sub = merged.select([0, 2, 4])
     assert (sub.tokens, sub.parents, sub.scores) == ([10, 12, 7], [-1, 0, 1], [-0.1, -0.3, None])
     assert DraftTree([], []).graft([3, 4])[0].is_chain
+    # depth first: kept where the new nodes hang off the tree's last path, else not
+    dfs = DraftTree([10, 12, 11, 13], [-1, 0, -1, 2], dfs=True)
+    assert check_tree(dfs.graft([11, 13, 9])[0]).dfs and check_tree(dfs.graft([11, 8])[0]).dfs
+    assert check_tree(dfs.graft([14])[0]).dfs and check_tree(dfs.graft([11, 13])[0]).dfs
+    assert not dfs.graft([10, 7])[0].dfs and not tree.graft([14])[0].dfs
+    assert DraftTree([], []).graft([3, 4])[0].dfs and check_tree(dfs.prefix(3)).dfs
     with pytest.raises(AssertionError, match="distinct"):
         check_tree(DraftTree([5, 5], [-1, -1]))
 

@@ -78,8 +78,7 @@ class SpecDecoder:
         """The drafts the scheduler kept: the tree's first k nodes (parents come first)."""
         if not k:
             return NO_DRAFTS
-        tree = self.states[req.request_id].tree
-        return tree if k == len(tree) else tree.select(range(k))
+        return self.states[req.request_id].tree.prefix(k)
 
     def tree_parents(self, sched: SchedulerOutput) -> list[list[int] | None] | None:
         out = []
@@ -181,21 +180,26 @@ class SpecDecoder:
 
     def _show_features(self, sched, step: StepLogits, live: list[int], accepted: list[list[int]]) -> None:
         """The target features of every newly computed committed token: prefill chunks, roots
-        and accepted paths."""
+        and accepted paths (only each request's last one for a proposer that reads no other)."""
         paths = dict(zip(live, accepted))
+        last_only = self.proposer.last_hidden_only
         index, ids, starts, sizes, off = [], [], [], [], 0
         for i, (req, n, k) in enumerate(zip(sched.requests, sched.num_tokens, sched.num_drafts)):
             committed = (list(range(off, off + n - k)) + [off + n - k + node for node in paths[i]] if i in paths
                          else list(range(off, off + n)))  # mid-prefill: every token is committed
+            start = req.num_computed_tokens
+            if last_only:
+                start, committed = start + len(committed) - 1, committed[-1:]
             index += committed
             ids.append(req.request_id)
-            starts.append(req.num_computed_tokens)
+            starts.append(start)
             sizes.append(len(committed))
             off += n
         hidden = step.all_hidden
         if len(index) < len(hidden):  # drafts not accepted, or rows of requests not shown
-            # index is increasing: a prefix of the rows (first-choice paths accepted) is a view
-            hidden = (hidden[:len(index)] if index[-1] == len(index) - 1
+            # index is increasing: a run of rows (first-choice paths accepted) is a view
+            first = index[0] if index else 0
+            hidden = (hidden[first:first + len(index)] if not index or index[-1] - first == len(index) - 1
                       else hidden.index_select(0, int_tensor(index, hidden.device)))
         self.proposer.observe(ids, starts, sizes, hidden)
 
@@ -229,7 +233,7 @@ class SpecDecoder:
                                     [min(self.lookup.k, room) for _, room in eligible])
             for j, chain in enumerate(chains):
                 if chain:
-                    trees[j], states[j].chain_nodes = (trees[j] or DraftTree([], [])).graft(chain)
+                    trees[j], states[j].chain_nodes = (trees[j] or NO_DRAFTS).graft(chain)
         self._select(eligible, states, trees, probes, batch)
         self.log.maybe(self.stats)
 
@@ -291,15 +295,21 @@ class SpecDecoder:
         for j, tree, nodes in zip(where, cands, keep):
             req, room = eligible[j]
             state = states[j]
-            nodes = preorder(tree.parents, nodes[:room])  # parents first: a prefix is still a tree
+            # depth first (parents first: a prefix is still a tree); a depth-first tree's nodes
+            # in their own order are
+            nodes = sorted(nodes[:room]) if tree.dfs else preorder(tree.parents, nodes[:room])
             if not nodes:
                 state.tree, state.chain_nodes = None, []
                 state.masks = state.masks[:1] if state.masks is not None else None  # the root's
                 continue
-            if nodes != list(range(len(tree))):  # else the whole tree as it is
+            if tree.dfs and nodes[-1] == len(nodes) - 1:  # its first nodes (or all of them)
+                if len(nodes) < len(tree):
+                    state.chain_nodes = [n for n in state.chain_nodes if n < len(nodes)]
+                    tree = tree.prefix(len(nodes))
+            elif nodes != list(range(len(tree))):  # else the whole tree as it is
                 index = {old: new for new, old in enumerate(nodes)}
                 state.chain_nodes = [index[n] for n in state.chain_nodes if n in index]
-                tree = tree.select(nodes)
+                tree = tree.select(nodes, tree.dfs)
             state.tree = tree
             if state.masks is not None:
                 state.masks = state.masks[[0] + [n + 1 for n in nodes]]

@@ -7,7 +7,10 @@ A chain (n-gram, draft model) is the tree whose node i has parent i - 1. Sibling
 samples its drafts (a draft model on a sampled request; such a tree is a chain); None means
 one-hot nodes (lookup, a head's top-k), exact for sampled requests too. `scores`: the log
 draft probability of each node's whole path (None for methods without one: the cost model
-then uses measured acceptance by depth).
+then uses measured acceptance by depth). `dfs`: the nodes are in depth-first order (each
+subtree contiguous after its root, a node's first child first), the order a verified tree's KV
+wants (see `preorder`); a proposer that builds its trees so says it, and the decoder then skips
+reordering them.
 """
 
 from __future__ import annotations
@@ -27,39 +30,54 @@ class DraftTree:
     parents: list[int]  # [n] parent node index, -1 for children of the root
     probs: torch.Tensor | None = None  # [n, V] draft distribution per node (chains only), None = one-hot
     scores: list[float | None] | None = None  # [n] log P_draft(path to the node), None = no score
+    dfs: bool = False  # nodes in depth-first order
 
     @staticmethod
     def chain(tokens: Sequence[int], probs: torch.Tensor | None = None,
               scores: list[float] | None = None) -> "DraftTree":
-        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), probs, scores)
+        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), probs, scores, True)
 
     def graft(self, chain: Sequence[int]) -> tuple["DraftTree", list[int]]:
         """This tree with `chain` (tokens that would follow the committed ones) merged in as a
         path from the root: it follows existing nodes while they match and appends the rest.
-        Returns the tree and the chain's node indices in it. One-hot trees only."""
+        Returns the tree and the chain's node indices in it. One-hot trees only. New nodes go
+        last: the tree stays depth-first when they hang off its last path."""
         assert self.probs is None, "graft: trees with draft probabilities cannot take foreign nodes"
         tokens, parents = list(self.tokens), list(self.parents)
         scores = list(self.scores) if self.scores is not None else [None] * len(tokens)
         kids = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
-        path, at = [], -1
+        path, at, dfs = [], -1, self.dfs or not tokens
         for tok in chain:  # along existing nodes while they match, then new ones
             node = kids.get((at, tok))
             if node is None:
+                if len(tokens) == len(self.tokens) and dfs:  # the first new node: is `at` on the last path?
+                    last = len(tokens) - 1
+                    while last > at:
+                        last = parents[last]
+                    dfs = last == at
                 node = len(tokens)
                 tokens.append(tok)
                 parents.append(at)
                 scores.append(None)
             path.append(node)
             at = node
-        return DraftTree(tokens, parents, None, scores), path
+        return DraftTree(tokens, parents, None, scores, dfs), path
 
-    def select(self, keep: Sequence[int]) -> "DraftTree":
-        """The nodes `keep` (each one's parent kept before it), in that order, re-indexed."""
+    def select(self, keep: Sequence[int], dfs: bool = False) -> "DraftTree":
+        """The nodes `keep` (each one's parent kept before it), in that order, re-indexed;
+        `dfs`: the caller knows that order to be depth-first."""
         index = {old: new for new, old in enumerate(keep)}
         parents = [index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep]
         probs = self.probs[list(keep)] if self.probs is not None else None
         scores = [self.scores[i] for i in keep] if self.scores is not None else None
-        return DraftTree([self.tokens[i] for i in keep], parents, probs, scores)
+        return DraftTree([self.tokens[i] for i in keep], parents, probs, scores, dfs)
+
+    def prefix(self, k: int) -> "DraftTree":
+        """The first k nodes (a tree, since parents come first), indices unchanged."""
+        if k == len(self.tokens):
+            return self
+        return DraftTree(self.tokens[:k], self.parents[:k], self.probs[:k] if self.probs is not None else None,
+                         self.scores[:k] if self.scores is not None else None, self.dfs)
 
     @property
     def depth(self) -> list[int]:
@@ -116,7 +134,8 @@ class Proposer(Protocol):
     * `observe(request_ids, starts, sizes, hidden)`: the target's final hidden states of newly
       computed committed tokens, request after request in the rows of hidden: positions
       starts[i] .. starts[i] + sizes[i] - 1 of request i (anything the proposer holds at or past
-      starts[i] is stale). Called only when `needs_hidden`.
+      starts[i] is stale). Called only when `needs_hidden`; with `last_hidden_only` each
+      request's last newly committed token alone (sizes all 1).
     * `propose(batch)`: one DraftTree (or None: no draft) per request of the batch, at most
       batch.max_drafts[i] nodes each.
     * `free(request_id)`: forget the request (finished, aborted or preempted).
@@ -126,6 +145,7 @@ class Proposer(Protocol):
 
     name: str
     needs_hidden: bool
+    last_hidden_only: bool
 
     def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
         ...

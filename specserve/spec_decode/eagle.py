@@ -38,7 +38,7 @@ import torch
 from specserve.config import DEFAULT_DRAFTS
 from specserve.host import int_tensor
 from specserve.sampling import top_logprobs
-from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
+from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, preorder
 from specserve.spec_decode.eagle_head import DraftPass, HeadKV, Segment
 from specserve.spec_decode.quant import draft_linear, draft_lm_head, f32_kernel_for
 
@@ -76,7 +76,7 @@ class _Growing:
 
 class EagleProposer:
     name = "eagle"
-    needs_hidden = True
+    needs_hidden, last_hidden_only = True, False
 
     def __init__(self, target_model, head_dir: str | Path | None = None,
                  num_speculative_tokens: int = DEFAULT_DRAFTS["eagle"], depth: int | None = None,
@@ -233,13 +233,11 @@ def _let_go(c: _HeadCache, upto: int) -> None:
 
 def _rerank(tokens: list[int], parents: list[int], scores: list[float], m: int,
             min_score: float = -math.inf) -> DraftTree:
-    """The m best-scored nodes scoring at least min_score (ties: earlier node first, so parents
-    precede children), in creation order, re-indexed, with their scores."""
-    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))
-    chosen: set[int] = set()
-    for i in order:
-        if len(chosen) == m or scores[i] < min_score:
-            break
-        if parents[i] < 0 or parents[i] in chosen:
-            chosen.add(i)
-    return DraftTree(tokens, parents, None, scores).select(sorted(chosen))
+    """The m best-scored nodes scoring at least min_score (ties: earlier node first), depth
+    first (siblings in creation order: best first), re-indexed, with their scores. A child
+    scores at most its parent (log q <= 0) and comes after it, so those nodes are a tree."""
+    best = sorted(range(len(tokens)), key=scores.__getitem__, reverse=True)[:m]  # stable: ties keep order
+    while best and scores[best[-1]] < min_score:
+        best.pop()
+    best.sort()
+    return DraftTree(tokens, parents, None, scores).select(preorder(parents, best), True)

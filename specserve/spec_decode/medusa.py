@@ -99,7 +99,7 @@ class MedusaProposer:
     candidates, so the DraftTree has no probabilities (one-hot q: exact under sampling)."""
 
     name = "medusa"
-    needs_hidden = True
+    needs_hidden, last_hidden_only = True, True
 
     def __init__(self, target_model, heads_dir, num_speculative_tokens: int = DEFAULT_DRAFTS["medusa"],
                  tree: list | None = None, quantize: bool = False) -> None:
@@ -117,6 +117,7 @@ class MedusaProposer:
         paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         where = {p: i for i, p in enumerate(paths)}  # each path as (head, rank, its prefix's index)
         self.plan = [(len(p) - 1, p[-1], where.get(p[:-1], -1)) for p in paths]
+        self.dfs = sorted(range(len(paths)), key=paths.__getitem__)  # rank paths in order: depth first
         self.width = 1 + max(rank for _, rank, _ in self.plan)  # top-k each head needs
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
@@ -145,21 +146,26 @@ class MedusaProposer:
         top = self.d2t[top] if self.d2t is not None else top
         top_lp, top = top_lp.tolist(), top.tolist()  # one transfer for the batch
         for b, j in enumerate(ready):
-            node = [-1] * len(self.plan)  # each path's node, -1: not in the tree
-            tokens, parents, scores = [], [], []
+            # the budget's nodes, shorter paths first; then the tree in depth-first order
+            score: list[float | None] = [None] * len(self.plan)  # each path's, None: not in the tree
             budget = min(self.m, batch.max_drafts[j])
             for i, (head, rank, prefix) in enumerate(self.plan):
-                parent = node[prefix] if prefix >= 0 else -1
-                if prefix >= 0 and parent < 0:
+                if prefix >= 0 and score[prefix] is None:
                     continue
-                score = (scores[parent] if parent >= 0 else 0.0) + top_lp[head][b][rank]
-                if score < batch.min_score:
+                s = (score[prefix] if prefix >= 0 else 0.0) + top_lp[head][b][rank]
+                if s < batch.min_score:
                     continue
-                if len(tokens) == budget:
+                if not budget:
                     break
-                node[i] = len(tokens)
-                tokens.append(top[head][b][rank])
-                parents.append(parent)
-                scores.append(score)
-            out[j] = DraftTree(tokens, parents, None, scores) if tokens else None
+                score[i], budget = s, budget - 1
+            node = [-1] * len(self.plan)  # each path's node
+            tokens, parents, scores = [], [], []
+            for i in self.dfs:
+                if score[i] is not None:
+                    head, rank, prefix = self.plan[i]
+                    node[i] = len(tokens)
+                    tokens.append(top[head][b][rank])
+                    parents.append(node[prefix] if prefix >= 0 else -1)
+                    scores.append(score[i])
+            out[j] = DraftTree(tokens, parents, None, scores, True) if tokens else None
         return out
