@@ -8,7 +8,8 @@ target itself, or prompt lookup), verification, KV rollback and bookkeeping. Wit
 Every method drafts its maximum each step (`"adaptive": false`), on B requests at once, greedy.
 
     python benchmarks/spec_overhead.py [--batch 1 16 64] [--methods none ngram eagle medusa draft_model]
-        [--vocab 512] [--max-tokens 48] [--repeats 1] [--clock wall] [--dtype float32] [--json OUT.json]
+        [--vocab 512] [--max-tokens 48] [--repeats 1] [--clock wall] [--dtype float32] [--lookup-branch N]
+        [--json OUT.json]
 
 Reports, per method and batch size, milliseconds per decode step outside the target forward,
 divided by B (the per-request overhead); the part of it that is not the draft network's own
@@ -79,14 +80,15 @@ def write_fixtures(root: Path, vocab: int = 512) -> tuple[Path, Path, Path]:
     return model, eagle, medusa
 
 
-def spec_config(method: str, eagle: Path, medusa: Path, model: Path) -> dict | None:
+def spec_config(method: str, eagle: Path, medusa: Path, model: Path, lookup_branch: int | None = None) -> dict | None:
     fixed = {"adaptive": False}
+    tree = {} if lookup_branch is None else {"lookup_branch": lookup_branch}  # tree methods' grafted lookup
     return {"none": None,
             "ngram": {"method": "ngram", "num_speculative_tokens": 4, **fixed},
             "eagle": {"method": "eagle", "model": str(eagle), "num_speculative_tokens": 8,
-                      "min_draft_prob": 0, "quantization": "none", **fixed},
+                      "min_draft_prob": 0, "quantization": "none", **fixed, **tree},
             "medusa": {"method": "medusa", "model": str(medusa), "num_speculative_tokens": 16,
-                       "quantization": "none", **fixed},
+                       "quantization": "none", **fixed, **tree},
             "draft_model": {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3,
                             **fixed}}[method]
 
@@ -196,6 +198,10 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--dtype", default="float32", help="every engine's dtype (float32: as on every CPU "
                    "where our kernels run; compare checkouts in one dtype)")
+    p.add_argument("--lookup-branch", type=int, default=None,
+                   help="EAGLE's and Medusa's grafted prompt-lookup chain (speculative_config's "
+                        "lookup_branch; 0: off, the default up to 898a9af (the rework came with 4); default: "
+                        "the checkout's own default)")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall",
                    help="thread: the engine thread's CPU seconds instead of wall seconds")
     args = p.parse_args()
@@ -212,7 +218,7 @@ def main() -> None:
         for method in args.methods:
             llm = LLM(str(model), load_format="dummy", seed=3, max_model_len=512, num_blocks=2048, dtype=args.dtype,
                       max_num_seqs=max(args.batch), max_num_batched_tokens=8192,
-                      speculative_config=spec_config(method, eagle, medusa, model))
+                      speculative_config=spec_config(method, eagle, medusa, model, args.lookup_branch))
             for b in args.batch:
                 r = measure(llm, b, args.max_tokens, vocab=args.vocab, repeats=args.repeats)
                 rows.append({"method": method, "batch": b, "vocab": args.vocab, **r})
