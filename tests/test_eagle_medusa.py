@@ -385,6 +385,26 @@ def test_medusa_own_lm_heads_fused_into_one_product():
     assert after.keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in after.items())
 
 
+def test_medusa_trees_come_depth_first_and_a_budget_keeps_the_shorter_paths(tmp_path):
+    """Medusa's tree lists its nodes depth first (rank paths in lexicographic order); a budget
+    smaller than the tree keeps the shorter paths first, as before the order changed."""
+    llm = tiny_llm(tmp_path, {"method": "medusa", "model": str(write_medusa(tmp_path / "heads")),
+                              "adaptive": False, "quantization": "none", "lookup_branch": 0})
+    prop = llm.engine.spec.proposer
+    req = Request("r", [5, 9, 17, 33], SamplingParams(temperature=0), set(), 0)
+    req.all_token_ids.append(11)  # one pending token: the heads read the feature before it
+    prop.observe(["r"], [3], [1], torch.randn(1, TINY["hidden_size"]))
+    full = check_tree(prop.propose(propose_batch([req], 64))[0])
+    assert full.dfs and len(full) == len(prop.plan) and not full.is_chain
+    assert [h for h, _, _ in prop.plan] == sorted(h for h, _, _ in prop.plan)  # the plan: shorter paths first
+    for budget in (1, 4, 6):
+        cut = check_tree(prop.propose(propose_batch([req], budget))[0])
+        assert cut.dfs and len(cut) == budget
+        # the full tree's node j is the plan's path prop.dfs[j]: the cut keeps the plan's first ones
+        want = {(t, s) for j, (t, s) in enumerate(zip(full.tokens, full.scores)) if prop.dfs[j] < budget}
+        assert set(zip(cut.tokens, cut.scores)) == want
+
+
 def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
     tree = DraftTree([10, 11, 12, 13], [-1, -1, 0, 1], scores=[-0.1, -0.2, -0.3, -0.4])
     merged, path = tree.graft([10, 12, 7, 8])  # shares 10 -> 12, then new nodes

@@ -295,8 +295,8 @@ class SpecDecoder:
         for j, tree, nodes in zip(where, cands, keep):
             req, room = eligible[j]
             state = states[j]
-            # depth first (parents first: a prefix is still a tree); a depth-first tree's nodes
-            # in their own order are
+            # depth first, first choices first (parents first: a prefix is still a tree); the
+            # kept nodes of a depth-first tree already are, taken in index order
             nodes = sorted(nodes[:room]) if tree.dfs else preorder(tree.parents, nodes[:room])
             if not nodes:
                 state.tree, state.chain_nodes = None, []
@@ -309,7 +309,7 @@ class SpecDecoder:
             elif nodes != list(range(len(tree))):  # else the whole tree as it is
                 index = {old: new for new, old in enumerate(nodes)}
                 state.chain_nodes = [index[n] for n in state.chain_nodes if n in index]
-                tree = tree.select(nodes, tree.dfs)
+                tree = tree.select(nodes, True)
             state.tree = tree
             if state.masks is not None:
                 state.masks = state.masks[[0] + [n + 1 for n in nodes]]

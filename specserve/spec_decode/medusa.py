@@ -95,8 +95,10 @@ class MedusaProposer:
     """Medusa drafting: the heads read the target's feature of the token before the pending
     one (f_{n-1}: its LM head gave x_n, head k proposes x_{n+k+1}); the tree takes, for a path of
     ranks (r_1..r_d), the r_d-th best token of head d-1, scored by the sum of the path's log
-    probabilities. One pass of the heads for the whole batch. Nodes are deterministic top-k
-    candidates, so the DraftTree has no probabilities (one-hot q: exact under sampling)."""
+    probabilities; the budget takes shorter paths first, and the tree lists its nodes depth
+    first (rank paths in lexicographic order). One pass of the heads for the whole batch. Nodes
+    are deterministic top-k candidates, so the DraftTree has no probabilities (one-hot q: exact
+    under sampling)."""
 
     name = "medusa"
     needs_hidden, last_hidden_only = True, True
