@@ -145,8 +145,9 @@ def test_score_calibration_learns_from_verified_nodes():
 
 
 def test_a_new_request_starts_from_what_drafting_gave_the_others():
-    """Under load a row costs much: a head that has accepted little for earlier requests does
-    not draft (nor run its first pass) for a new one until probed; with nothing known, it does."""
+    """Under load a row costs much: a head that has accepted little for earlier requests, or
+    whose trees selection refused, does not draft (nor run its first pass) for a new one until
+    probed; with nothing known, it does."""
     policy = SpecPolicy(model(lambda r: 0.05 + 0.002 * r, per_request=0.004), max_depth=4)
     policy.draft_cost.update(64, 0.05)
     assert policy.draft_pays(policy.new_state(), 64, 64)  # nothing known yet: 1 token per step
@@ -156,6 +157,14 @@ def test_a_new_request_starts_from_what_drafting_gave_the_others():
         policy.observe(state, chain_tree(2, 0.5), [0] if _ % 5 == 0 else [], [])
     assert policy.gain < 0.4 and not policy.draft_pays(policy.new_state(), 64, 64)
     assert policy.draft_pays(policy.new_state(), 1, 1)  # alone, rows are cheap enough
+    policy = SpecPolicy(model(lambda r: 0.05 + 0.002 * r, per_request=0.004), max_depth=4)
+    policy.draft_cost.update(64, 0.05)
+    for _ in range(30):  # alone, a refused tree costs only its drafting: no lesson for new requests
+        policy.refused(policy.new_state(), 1)
+    assert policy.gain == 1.0
+    for _ in range(30):  # under load, earlier requests drafted but selection found nothing worth its rows
+        policy.refused(policy.new_state(), 64)
+    assert policy.gain < 0.4 and not policy.draft_pays(policy.new_state(), 64, 64)
 
 
 def test_a_head_that_does_not_pay_is_gated_off_and_probed():

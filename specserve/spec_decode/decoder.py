@@ -107,7 +107,7 @@ class SpecDecoder:
                 results[i] = (tokens, None)
                 if req.params.structured is not None:
                     self._state(req).grammar.consume(tokens)
-                self._learn(req, tree, path)
+                self._learn(req, tree, path, len(sched))
             self._logprobs(reqs, live, trees, verdict.accepted, step, results)
         self._step = (sched.decode_only, len(sched), sum(len(r[0]) for r in results if r is not None))
         if self.proposer is not None and self.proposer.needs_hidden:
@@ -144,12 +144,12 @@ class SpecDecoder:
         if src:
             self.runner.move_kv(src, dst)
 
-    def _learn(self, req: Request, tree: DraftTree, path: list[int]) -> None:
+    def _learn(self, req: Request, tree: DraftTree, path: list[int], batch: int) -> None:
         if not self.max_drafts:  # not speculating
             return
         state = self._state(req)
         if state.drafted and not len(tree):  # drafted, but none of it was worth verifying: no gain
-            state.gate.gain *= 0.7
+            self.policy.refused(state, batch)
         if len(tree):
             req.num_draft_tokens += len(tree)
             req.num_accepted_tokens += len(path)

@@ -24,8 +24,10 @@ tokens in t(B, B + n) seconds.
     request only while its expected accepted tokens pay for its share of the drafting time
     and its rows; otherwise the request is probed again after doubling intervals. A new
     request starts from what drafting has given the requests before it (`gain`, 1 when
-    nothing is known yet): under load, where a row costs much, a head that has been accepting
-    little does not run its first pass over every new request's prompt.
+    nothing is known yet; under load a drafting step whose tree selection refused counts as
+    0): under load, where a row costs much, a head that has been accepting little, or whose
+    trees were not worth their rows, does not run its first pass over every new request's
+    prompt.
   * `min_score`: tree nodes that cannot pay the cheapest row are neither expanded nor returned.
 With "adaptive": false the proposer drafts its maximum and all of it is verified.
 """
@@ -123,7 +125,7 @@ class SpecPolicy:
         self.lookup = Rates(np.ones(max_depth), np.full(max_depth, 2.0), 0.98)  # decoder-wide, by depth
         self.scores = ScoreCalibration()
         self.draft_cost = Curve()  # seconds of a proposer call by requests drafted for
-        self.gain = 1.0  # EMA over every request: accepted drafted tokens per verified drafting step
+        self.gain = 1.0  # EMA over every request: accepted drafted tokens per drafting step (see refused)
         self.realized = Realized()  # whole steps, speculating vs plain, by batch size
 
     def new_state(self) -> RequestState:
@@ -249,6 +251,17 @@ class SpecPolicy:
         return 1.0 + np.cumsum(gains, axis=0).min(axis=1)
 
     # -- learning --------------------------------------------------------------------------------
+    def refused(self, state: RequestState, batch: int) -> None:
+        """The proposer drafted for the request but none of it was worth verifying: a drafting
+        step that gained nothing, for the request's gate, and under load (batch > 1) for what
+        a new request starts from: where selection refuses most trees, new requests then start
+        with the head off instead of paying its first pass over their prompts. Alone, a
+        refused tree costs only its drafting, and a new request started off would lose its
+        first drafting steps, so there it does not count."""
+        state.gate.gain *= 0.7
+        if batch > 1:
+            self.gain *= 0.95
+
     def observe(self, state: RequestState, tree: DraftTree, path: list[int], chain_nodes: list[int]) -> None:
         """A verify result: `path` are the accepted nodes of `tree` (as verified)."""
         on_path = set(path)
