@@ -141,11 +141,16 @@ def test_trees_in_the_engine_equal_plain_greedy(tmp_path, method, caplog):
         return out
 
     engine.spec.tree_parents = checked_tree_parents
+    prop, shown = engine.spec.proposer, []
+    observe = prop.observe
+    prop.observe = lambda ids, starts, sizes, hidden: shown.append(list(sizes)) or observe(ids, starts, sizes, hidden)
     with caplog.at_level(logging.INFO, logger="specserve.spec_decode"):
         assert greedy_ids(llm) == ref
         assert greedy_ids(llm) == ref  # prefix-cache hits now
     assert "acceptance" in caplog.text.lower()  # the periodic acceptance line
     assert engine.stats.spec_num_drafts > 0 and shapes[False] > 0
+    # Medusa reads only each request's last committed feature and is shown only that
+    assert all(n == 1 for sizes in shown for n in sizes) == (method == "medusa")
     sampled = llm.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=20, seed=7, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 20 for o in sampled)
     assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
@@ -223,6 +228,7 @@ def test_tree_shape_and_the_cost_models_cut(tmp_path):
         r.all_token_ids.append(11)  # one pending token, as after a step
     full = prop.propose(propose_batch(reqs, 8))
     assert [len(check_tree(t)) for t in full] == [8, 8] and all(max(t.depth) <= 3 for t in full)
+    assert all(t.dfs for t in full)  # depth first as drafted: the decoder does not reorder them
     seen = []
     rerank = eagle_mod._rerank
     eagle_mod._rerank = lambda t, p, s, *rest: seen.append((list(t), list(p), list(s))) or rerank(t, p, s, *rest)

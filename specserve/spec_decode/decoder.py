@@ -198,8 +198,8 @@ class SpecDecoder:
         hidden = step.all_hidden
         if len(index) < len(hidden):  # drafts not accepted, or rows of requests not shown
             # index is increasing: a run of rows (first-choice paths accepted) is a view
-            first = index[0] if index else 0
-            hidden = (hidden[first:first + len(index)] if not index or index[-1] - first == len(index) - 1
+            first = index[0]  # (every scheduled request commits at least one token)
+            hidden = (hidden[first:first + len(index)] if index[-1] - first == len(index) - 1
                       else hidden.index_select(0, int_tensor(index, hidden.device)))
         self.proposer.observe(ids, starts, sizes, hidden)
 

@@ -258,9 +258,14 @@ class SpecPolicy:
         with the head off instead of paying its first pass over their prompts. Alone, a
         refused tree costs only its drafting, and a new request started off would lose its
         first drafting steps, so there it does not count."""
-        state.gate.gain *= 0.7
-        if batch > 1:
-            self.gain *= 0.95
+        self._count_drafting(state.gate, 0.0, batch > 1)
+
+    def _count_drafting(self, gate: Gate, gained: float, for_new_requests: bool) -> None:
+        """A drafting step's accepted tokens, into the request's gate and (for_new_requests)
+        the average a new request's gate starts from."""
+        gate.gain = 0.7 * gate.gain + 0.3 * gained
+        if for_new_requests:
+            self.gain = 0.95 * self.gain + 0.05 * gained
 
     def observe(self, state: RequestState, tree: DraftTree, path: list[int], chain_nodes: list[int]) -> None:
         """A verify result: `path` are the accepted nodes of `tree` (as verified)."""
@@ -278,7 +283,5 @@ class SpecPolicy:
                 state.lookup.observe(chain_depth[i], ok)
                 self.lookup.observe(chain_depth[i], ok)
         if state.drafted:
-            g = state.gate
-            g.gain = 0.7 * g.gain + 0.3 * drafted_gain
-            self.gain = 0.95 * self.gain + 0.05 * drafted_gain
-            g.rows = 0.7 * g.rows + 0.3 * drafted_rows
+            self._count_drafting(state.gate, drafted_gain, True)
+            state.gate.rows = 0.7 * state.gate.rows + 0.3 * drafted_rows
