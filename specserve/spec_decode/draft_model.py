@@ -27,7 +27,7 @@ from specserve.model.arch import ModelArch
 from specserve.model.loader import resolve_model_dir
 from specserve.model.runner import ModelRunner
 from specserve.request import SamplingParams
-from specserve.sampling import SamplingBatch, exponential_noise, processed_probs, row_argmax
+from specserve.sampling import SamplingBatch, exponential_noise, processed_probs, row_argmax, top_logprobs
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 
 _DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's noise stream must differ from the verifier's
@@ -132,10 +132,10 @@ class DraftModelProposer:
 
     def _sample(self, logits: torch.Tensor, batch: ProposeBatch, rows: list[int], done: list[int]):
         """Draft token per row, its log q, and the draft distribution q [B, V] (None: all greedy)."""
+        if all(batch.params[j].greedy for j in rows):  # the argmax and its log q, one call on a CPU
+            logq, ids = top_logprobs(logits, 1)
+            return ids[:, 0].tolist(), logq[:, 0].tolist(), None
         greedy_ids = row_argmax(logits)
-        if all(batch.params[j].greedy for j in rows):  # log q of the argmax: its logit less logsumexp
-            logq = logits.gather(1, greedy_ids[:, None])[:, 0] - logits.logsumexp(-1)
-            return greedy_ids.tolist(), logq.tolist(), None
         params = [_no_penalties(batch.params[j]) for j in rows]
         positions = [len(batch.token_ids[j]) + d for j, d in zip(rows, done)]
         # a seeded request is verified against the target's own draws (coupled): drafting with
