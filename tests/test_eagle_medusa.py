@@ -391,9 +391,12 @@ def test_medusa_own_lm_heads_fused_into_one_product():
     assert after.keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in after.items())
 
 
-def test_medusa_trees_come_depth_first_and_a_budget_keeps_the_shorter_paths(tmp_path):
+def test_medusa_trees_come_depth_first_and_a_budget_keeps_the_shorter_paths(tmp_path, monkeypatch):
     """Medusa's tree lists its nodes depth first (rank paths in lexicographic order); a budget
-    smaller than the tree keeps the shorter paths first, as before the order changed."""
+    smaller than the tree keeps the shorter paths first, as before the order changed. The
+    trees built in Python (off the CPU) are the C call's."""
+    import specserve.spec_decode.medusa as medusa
+
     llm = tiny_llm(tmp_path, {"method": "medusa", "model": str(write_medusa(tmp_path / "heads")),
                               "adaptive": False, "quantization": "none", "lookup_branch": 0})
     prop = llm.engine.spec.proposer
@@ -409,6 +412,13 @@ def test_medusa_trees_come_depth_first_and_a_budget_keeps_the_shorter_paths(tmp_
         # the full tree's node j is the plan's path prop.dfs[j]: the cut keeps the plan's first ones
         want = {(t, s) for j, (t, s) in enumerate(zip(full.tokens, full.scores)) if prop.dfs[j] < budget}
         assert set(zip(cut.tokens, cut.scores)) == want
+    monkeypatch.setattr(medusa, "c_rows", lambda x: False)
+    for budget in (4, 64):
+        in_python = prop.propose(propose_batch([req], budget))[0]
+        monkeypatch.undo()
+        in_c = prop.propose(propose_batch([req], budget))[0]
+        monkeypatch.setattr(medusa, "c_rows", lambda x: False)
+        assert (in_python.tokens, in_python.parents, in_python.scores) == (in_c.tokens, in_c.parents, in_c.scores)
 
 
 def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():

@@ -23,6 +23,12 @@
  * copy_slots: KV cache slots moved within every layer's K and V (accepted draft paths moving
  *     next to their roots): one call where PyTorch takes an index tensor, then a gather and a
  *     scatter per cache, ~20 us warm and 3-4x that between a step's other work. Bytes only.
+ * greedy_walk: greedy verification of every request's draft tree: from its root row, the argmax
+ *     (as argmax above) of each row on the way picks the child that matches it, so only the rows
+ *     of the accepted path are read, where an argmax of every row reads them all.
+ * medusa_trees: Medusa's draft trees for a batch from its heads' top-k (the host side of
+ *     specserve.spec_decode.medusa: which rank paths pass the budget and the score cut, listed
+ *     depth first), one call where Python takes two loops over the paths of every request.
  * Compiled with -ffp-contract=off (cbuild.FLAGS): no product is fused into a sum.
  */
 #include <immintrin.h>
@@ -131,6 +137,36 @@ static int64_t argmax_row(const float *x, int64_t n) {
     return 0;
 }
 
+/* Greedy verification. x: rows of n floats (row r at x + r * row_stride); request b's tree has
+ * nodes start[b] .. start[b + 1] - 1 of tok and par (its own indices: par -1 for a child of
+ * the root, siblings distinct), its root at row root[b] and node i at row root[b] + 1 + i.
+ * From the root, the child whose token is the row's argmax is accepted and its row read next;
+ * the accepted nodes go to path[start[b]..], their count to len[b], the argmax of the last row
+ * read (the token after them) to final[b]. */
+void greedy_walk(const float *x, int64_t n, int64_t row_stride, int64_t B, const int64_t *root,
+                 const int64_t *start, const int64_t *tok, const int64_t *par, int64_t *path, int64_t *len,
+                 int64_t *final, int threads) {
+#pragma omp parallel for num_threads(threads) if (B > 1 && B * n >= 4 * PARALLEL_MIN) schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t s = start[b], e = start[b + 1];
+        int64_t row = root[b], at = -1, m = 0;
+        for (;;) {
+            const int64_t best = argmax_row(x + row * row_stride, n);
+            int64_t next = -1;
+            for (int64_t i = s; i < e && next < 0; i++)
+                if (par[i] == at && tok[i] == best) next = i - s;
+            if (next < 0) {
+                final[b] = best;
+                break;
+            }
+            path[s + m++] = next;
+            at = next;
+            row = root[b] + 1 + next;
+        }
+        len[b] = m;
+    }
+}
+
 /* x: rows of n floats, row r at x + r * row_stride; out: [rows] int64. */
 void argmax(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t *out, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows > 1 && rows * n >= 4 * PARALLEL_MIN) schedule(static)
@@ -232,5 +268,55 @@ int copy_slots(char *k, char *v, int64_t layers, int64_t layer_stride, int64_t s
             for (int64_t i = 0; i < n; i++) memcpy(base + dst[i] * slot_stride, buf + i * row_bytes, row_bytes);
         }
     free(buf);
+    return 0;
+}
+
+/* Medusa's trees. x: [K * B] rows of n logits (row k * B + b: head k, request b; row r at x + r
+ * * row_stride); each head's w best per request (as top_logprobs: log q, the lower index first
+ * on ties), their tokens through d2t (when not NULL); plan: [P, 3] rank paths shorter first,
+ * each (head, rank, index of its prefix path or -1); dfs: [P] path indices in depth-first
+ * order; budget: [B]. For request b, path i is taken when its prefix was, its score (the
+ * prefix's, 0 at the root, + its log q, in double as Python adds) is >= min_score, and fewer
+ * than budget[b] paths were taken before it. The taken paths, depth first, are nodes 0..count-1
+ * of request b: out[b] = (token [P], parent node [P] (-1: the root), count), scores[b] [P].
+ * Returns 0, or -1 when out of memory (nothing written). */
+int medusa_trees(const float *x, int64_t K, int64_t B, int64_t n, int64_t row_stride, int64_t w,
+                 const int64_t *d2t, const int64_t *plan, const int64_t *dfs, int64_t P, const int64_t *budget,
+                 double min_score, int64_t *out, double *scores, int threads) {
+    float *top_lp = malloc((size_t)(K * B * w) * sizeof(float));
+    int64_t *top = malloc((size_t)(K * B * w) * sizeof(int64_t));
+    double *score = malloc((size_t)P * sizeof(double));
+    int64_t *node = malloc((size_t)P * sizeof(int64_t));
+    if (!top_lp || !top || !score || !node) {
+        free(top_lp), free(top), free(score), free(node);
+        return -1;
+    }
+    top_logprobs(x, K * B, n, row_stride, w, top_lp, top, threads);
+    if (d2t)
+        for (int64_t i = 0; i < K * B * w; i++) top[i] = d2t[top[i]];
+    for (int64_t b = 0; b < B; b++) {
+        int64_t left = budget[b];
+        for (int64_t i = 0; i < P; i++) {
+            const int64_t head = plan[3 * i], rank = plan[3 * i + 1], prefix = plan[3 * i + 2];
+            node[i] = -2; /* not taken */
+            if (!left || (prefix >= 0 && node[prefix] == -2)) continue;
+            const double s = (prefix >= 0 ? score[prefix] : 0.0) + (double)top_lp[(head * B + b) * w + rank];
+            if (s < min_score) continue;
+            score[i] = s, node[i] = -1, left--;
+        }
+        int64_t *tok = out + b * (2 * P + 1), *par = tok + P, m = 0;
+        for (int64_t j = 0; j < P; j++) {
+            const int64_t i = dfs[j];
+            if (node[i] == -2) continue;
+            const int64_t head = plan[3 * i], rank = plan[3 * i + 1], prefix = plan[3 * i + 2];
+            node[i] = m;
+            tok[m] = top[(head * B + b) * w + rank];
+            par[m] = prefix >= 0 ? node[prefix] : -1;
+            scores[b * P + m] = score[i];
+            m++;
+        }
+        tok[2 * P] = m;
+    }
+    free(top_lp), free(top), free(score), free(node);
     return 0;
 }

@@ -36,6 +36,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul.restype = None
     lib.copy_slots.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64]
     lib.copy_slots.restype = ctypes.c_int
+    lib.greedy_walk.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.greedy_walk.restype = None
+    lib.medusa_trees.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_double, ptr, ptr,
+                                 ctypes.c_int]
+    lib.medusa_trees.restype = ctypes.c_int
 
 
 _kernel = Kernel(Path(__file__).with_name("layer_ops.c"), _declare)
@@ -74,6 +79,28 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _kernel.lib.argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def greedy_walk(x: torch.Tensor, roots: list[int], trees: list[tuple[list[int], list[int]]]
+                ) -> tuple[list[list[int]], list[int]]:
+    """Greedy verification (layer_ops.c: greedy_walk). x: [rows, n] float32 logits (unit stride
+    along a row); request b's root at row roots[b], its tree (tokens, parents) node i at row
+    roots[b] + 1 + i. -> (each request's accepted nodes from the root, the argmax after them):
+    what following each row's torch.argmax gives, reading only the rows on the way."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] > 0
+    b, starts, tok, par = len(roots), [0], [], []
+    for tokens, parents in trees:
+        tok += tokens
+        par += parents
+        starts.append(len(tok))
+    n = len(tok)
+    ins = (ctypes.c_int64 * (2 * b + 1 + 2 * n))(*roots, *starts, *tok, *par)
+    outs = (ctypes.c_int64 * (n + 2 * b))()
+    _kernel.lib.greedy_walk(x.data_ptr(), x.shape[1], x.stride(0), b, ins, ctypes.byref(ins, 8 * b),
+                            ctypes.byref(ins, 8 * (2 * b + 1)), ctypes.byref(ins, 8 * (2 * b + 1 + n)), outs,
+                            ctypes.byref(outs, 8 * n), ctypes.byref(outs, 8 * (n + b)), torch.get_num_threads())
+    got = outs[:]
+    return [got[s:s + m] for s, m in zip(starts, got[n:n + b])], got[n + b:]
 
 
 def top_logprobs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,3 +148,29 @@ def slot_mover(k_cache: torch.Tensor, v_cache: torch.Tensor):
             raise MemoryError("copy_slots: out of memory")
 
     return move
+
+
+def medusa_trees(logits: torch.Tensor, heads: int, width: int, d2t: torch.Tensor | None, plan: torch.Tensor,
+                 dfs: torch.Tensor, budget: list[int], min_score: float) -> list[tuple[list[int], list[int], list]]:
+    """Medusa's draft trees from its heads' logits, in one call (layer_ops.c: medusa_trees).
+    logits: [heads * B, n] float32 (unit stride along a row; row k * B + b: head k, request b);
+    each head's `width` best tokens per request (through d2t [n] int64, when given); plan: [P, 3]
+    int64 contiguous rank paths, shorter first, as (head, rank, prefix path or -1); dfs: [P]
+    int64 path indices depth first; budget: B ints. -> per request (tokens, parents, scores) of
+    its tree, depth first (empty lists: no node)."""
+    assert logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype == torch.float32
+    assert plan.dtype == dfs.dtype == torch.int64 and plan.is_contiguous() and dfs.is_contiguous()
+    assert d2t is None or (d2t.dtype == torch.int64 and d2t.is_contiguous())
+    b, p = logits.shape[0] // heads, plan.shape[0]
+    out = torch.empty(b, 2 * p + 1, dtype=torch.int64)
+    scores = torch.empty(b, p, dtype=torch.float64)
+    budgets = (ctypes.c_int64 * b)(*budget)
+    if _kernel.lib.medusa_trees(logits.data_ptr(), heads, b, logits.shape[1], logits.stride(0), width,
+                                0 if d2t is None else d2t.data_ptr(), plan.data_ptr(), dfs.data_ptr(), p, budgets,
+                                min_score, out.data_ptr(), scores.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("medusa_trees: out of memory")
+    trees = []
+    for row, sc in zip(out.tolist(), scores.tolist()):
+        m = row[-1]
+        trees.append((row[:m], row[p:p + m], sc[:m]))
+    return trees

@@ -37,9 +37,11 @@ the position of the parent's row. So the emitted tokens follow the target distri
 exactly and a seeded request is reproducible whatever else is in the batch.
 
 No per-node host synchronisation: an all-greedy step brings each row's argmax to the host in
-one transfer and follows the matching children there; otherwise tensor ops over all nodes find
-each row's first passing child, one transfer brings those to the host, which follows every
-request's accepted path, and a second brings the final tokens.
+one transfer and follows the matching children there (on an x86 CPU one C call follows them,
+taking the argmax of the rows on the way only: specserve.kernels.layer_ops.greedy_walk);
+otherwise tensor ops over all nodes find each row's first passing child, one transfer brings
+those to the host, which follows every request's accepted path, and a second brings the final
+tokens.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.host import int_tensor
-from specserve.sampling.sampler import (SamplingBatch, TokenCounts, apply_penalties, exponential_noise,
+from specserve.kernels import layer_ops
+from specserve.sampling.sampler import (SamplingBatch, TokenCounts, apply_penalties, c_rows, exponential_noise,
                                         processed_probs, row_argmax, row_counts, uniform_at)
 
 
@@ -160,6 +163,9 @@ def verify_trees(target: torch.Tensor, exact: torch.Tensor | None, seeds: torch.
     (it keys the noise); coupled: (rows [Rc], their seeds [Rc]) of the coupled (seeded sampled)
     requests, whose token is plain sampling's draw instead of the argmax. An all-greedy step
     (all_exact, no coupled rows) needs only target."""
+    if all_exact and coupled is None and c_rows(target):  # greedy: one C call, the path's rows alone
+        accepted, final = layer_ops.greedy_walk(target, trees.root_row, [(t, p) for t, p, _ in trees.trees])
+        return TreeVerdict(accepted, final)
     best = row_argmax(target)  # [R]: the one token of each exact row
     if coupled is not None:
         rows, row_seeds = coupled

@@ -181,12 +181,18 @@ def processed_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return probs
 
 
+def c_rows(x: torch.Tensor) -> bool:
+    """Whether our C kernels (specserve.kernels.layer_ops) can read x's rows: [N, V] float32 on
+    an x86 CPU, unit stride along a row."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
+            and layer_ops.available())
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x [N, V] -> [N] int64, exactly x.argmax(-1); float32 on an x86 CPU through our C kernel
     (specserve.kernels.layer_ops.argmax: PyTorch's takes ~50 us per 49k-wide row there). Plain
     sampling, verification and drafting all take their argmax here."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.numel() >= 1024 \
-            and x.stride(-1) == 1 and layer_ops.available():
+    if x.numel() >= 1024 and c_rows(x):
         return layer_ops.argmax(x)
     return x.argmax(-1)
 

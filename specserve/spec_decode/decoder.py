@@ -185,15 +185,19 @@ class SpecDecoder:
         last_only = self.proposer.last_hidden_only
         index, ids, starts, sizes, off = [], [], [], [], 0
         for i, (req, n, k) in enumerate(zip(sched.requests, sched.num_tokens, sched.num_drafts)):
-            committed = (list(range(off, off + n - k)) + [off + n - k + node for node in paths[i]] if i in paths
-                         else list(range(off, off + n)))  # mid-prefill: every token is committed
-            start = req.num_computed_tokens
-            if last_only:
-                start, committed = start + len(committed) - 1, committed[-1:]
-            index += committed
+            path = paths.get(i)  # None: mid-prefill, every token is committed
+            if last_only:  # rows off .. off + n - k - 1 committed, then the accepted draft rows
+                num = n - k + len(path) if path is not None else n
+                index.append(off + n - k + path[-1] if path else off + num - 1)
+                starts.append(req.num_computed_tokens + num - 1)
+                sizes.append(1)
+            else:
+                committed = list(range(off, off + n - k)) + [off + n - k + node for node in path] if path is not None \
+                    else list(range(off, off + n))
+                index += committed
+                starts.append(req.num_computed_tokens)
+                sizes.append(len(committed))
             ids.append(req.request_id)
-            starts.append(start)
-            sizes.append(len(committed))
             off += n
         hidden = step.all_hidden
         if len(index) < len(hidden):  # drafts not accepted, or rows of requests not shown

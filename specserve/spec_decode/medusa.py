@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import DEFAULT_DRAFTS
-from specserve.sampling import top_logprobs
+from specserve.kernels import layer_ops
+from specserve.sampling import c_rows, top_logprobs
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.quant import draft_lm_head, f32_kernel_for
 
@@ -91,6 +92,14 @@ def tree_from_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
     return paths
 
 
+def medusa_plan(paths: list[tuple[int, ...]]) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The rank paths (shorter first) as (head, rank, index of the path's prefix or -1), and
+    their indices depth first (the paths in lexicographic order)."""
+    where = {p: i for i, p in enumerate(paths)}
+    return ([(len(p) - 1, p[-1], where.get(p[:-1], -1)) for p in paths],
+            sorted(range(len(paths)), key=paths.__getitem__))
+
+
 class MedusaProposer:
     """Medusa drafting: the heads read the target's feature of the token before the pending
     one (f_{n-1}: its LM head gave x_n, head k proposes x_{n+k+1}); the tree takes, for a path of
@@ -117,12 +126,39 @@ class MedusaProposer:
         if heads.vocab and not quantize:
             self.heads.fuse_lm_heads()
         paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
-        where = {p: i for i, p in enumerate(paths)}  # each path as (head, rank, its prefix's index)
-        self.plan = [(len(p) - 1, p[-1], where.get(p[:-1], -1)) for p in paths]
-        self.dfs = sorted(range(len(paths)), key=paths.__getitem__)  # rank paths in order: depth first
+        self.plan, self.dfs = medusa_plan(paths)
         self.width = 1 + max(rank for _, rank, _ in self.plan)  # top-k each head needs
+        self._plan, self._dfs = torch.tensor(self.plan, dtype=torch.int64), torch.tensor(self.dfs, dtype=torch.int64)
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
+
+    def trees(self, top_lp: list, top: list, budgets: list[int], min_score: float) -> list[tuple]:
+        """Each request's tree (tokens, parents, scores) from the heads' top-k, top_lp and top
+        [K][B][w]: the budget's paths, shorter first, that score at least min_score (and whose
+        prefix is in), listed depth first (specserve.kernels.layer_ops.medusa_trees in C)."""
+        trees = []
+        for b, budget in enumerate(budgets):
+            score: list[float | None] = [None] * len(self.plan)  # each path's, None: not in the tree
+            for i, (head, rank, prefix) in enumerate(self.plan):
+                if prefix >= 0 and score[prefix] is None:
+                    continue
+                s = (score[prefix] if prefix >= 0 else 0.0) + top_lp[head][b][rank]
+                if s < min_score:
+                    continue
+                if not budget:
+                    break
+                score[i], budget = s, budget - 1
+            node = [-1] * len(self.plan)  # each path's node
+            tokens, parents, scores = [], [], []
+            for i in self.dfs:
+                if score[i] is not None:
+                    head, rank, prefix = self.plan[i]
+                    node[i] = len(tokens)
+                    tokens.append(top[head][b][rank])
+                    parents.append(node[prefix] if prefix >= 0 else -1)
+                    scores.append(score[i])
+            trees.append((tokens, parents, scores))
+        return trees
 
     def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
         end = 0
@@ -143,31 +179,16 @@ class MedusaProposer:
             return out
         feats = torch.stack([self.last[batch.request_ids[j]][1] for j in ready]).to(self.dtype)
         logits = self.heads.logits(feats, self.lm_head)  # [K, B, V']
-        top_lp, top = top_logprobs(logits.reshape(-1, logits.shape[-1]), self.width)
-        top_lp, top = top_lp.view(*logits.shape[:2], -1), top.view(*logits.shape[:2], -1)
-        top = self.d2t[top] if self.d2t is not None else top
-        top_lp, top = top_lp.tolist(), top.tolist()  # one transfer for the batch
-        for b, j in enumerate(ready):
-            # the budget's nodes, shorter paths first; then the tree in depth-first order
-            score: list[float | None] = [None] * len(self.plan)  # each path's, None: not in the tree
-            budget = min(self.m, batch.max_drafts[j])
-            for i, (head, rank, prefix) in enumerate(self.plan):
-                if prefix >= 0 and score[prefix] is None:
-                    continue
-                s = (score[prefix] if prefix >= 0 else 0.0) + top_lp[head][b][rank]
-                if s < batch.min_score:
-                    continue
-                if not budget:
-                    break
-                score[i], budget = s, budget - 1
-            node = [-1] * len(self.plan)  # each path's node
-            tokens, parents, scores = [], [], []
-            for i in self.dfs:
-                if score[i] is not None:
-                    head, rank, prefix = self.plan[i]
-                    node[i] = len(tokens)
-                    tokens.append(top[head][b][rank])
-                    parents.append(node[prefix] if prefix >= 0 else -1)
-                    scores.append(score[i])
+        logits = logits.reshape(-1, logits.shape[-1]).float()
+        budgets = [min(self.m, batch.max_drafts[j]) for j in ready]
+        if c_rows(logits):  # top-k and trees in one C call for the batch
+            trees = layer_ops.medusa_trees(logits, self.heads.num_heads, self.width, self.d2t, self._plan, self._dfs,
+                                           budgets, batch.min_score)
+        else:
+            top_lp, top = top_logprobs(logits, self.width)
+            top = self.d2t[top] if self.d2t is not None else top
+            shape = (self.heads.num_heads, len(ready), self.width)  # one transfer each
+            trees = self.trees(top_lp.view(shape).tolist(), top.view(shape).tolist(), budgets, batch.min_score)
+        for j, (tokens, parents, scores) in zip(ready, trees):
             out[j] = DraftTree(tokens, parents, None, scores, True) if tokens else None
         return out

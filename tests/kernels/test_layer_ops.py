@@ -4,6 +4,8 @@ same bits whatever the batch, the MLP activation matches PyTorch's, the vocabula
 torch.argmax's answer (ties and NaN included), and the model that uses them decodes as the one
 that does not."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,44 @@ def test_top_logprobs_is_log_softmax_topk(shape, k):
     val, idx = layer_ops.top_logprobs(x, k)
     assert idx[0].tolist() == [shape[1] - 1] + list(range(k - 1))
     assert val[0, 0] == 0.0 and (val[0, 1:] == -torch.inf).all()
+
+
+@pytest.mark.parametrize("min_score,d2t", [(-math.inf, False), (-6.0, True), (-4.5, False)])
+def test_medusa_trees_is_the_python_walk(min_score, d2t):
+    from specserve.spec_decode.medusa import DEFAULT_MEDUSA_TREE, MedusaProposer, medusa_plan, tree_from_choices
+
+    proposer = MedusaProposer.__new__(MedusaProposer)  # its plan alone: the Python walk reads nothing else
+    proposer.plan, proposer.dfs = medusa_plan(tree_from_choices(DEFAULT_MEDUSA_TREE, 4))
+    g = torch.Generator().manual_seed(1)
+    heads, b, width = 4, 6, 4
+    logits = 3 * torch.randn(heads * b, 300, generator=g)  # row k * b + j: head k, request j
+    ids = torch.randperm(49152, generator=g)[:300] if d2t else None  # the heads' vocabulary in the target's
+    budgets = [16, 3, 0, 18, 7, 1]
+    top_lp, top = layer_ops.top_logprobs(logits, width)
+    top = ids[top] if d2t else top
+    want = proposer.trees(top_lp.view(heads, b, width).tolist(), top.view(heads, b, width).tolist(), budgets,
+                          min_score)
+    got = layer_ops.medusa_trees(logits, heads, width, ids, torch.tensor(proposer.plan), torch.tensor(proposer.dfs),
+                                 budgets, min_score)
+    assert got == want
+    assert not got[2][0] and all(len(t[0]) <= n for t, n in zip(got, budgets))
+    if min_score == -math.inf:
+        assert [len(t[0]) for t in got] == budgets[:3] + [18, 7, 1]
+    else:
+        assert any(0 < len(t[0]) < n for t, n in zip(got, budgets))  # the score cut took some
+
+
+def test_greedy_verification_takes_the_walk(monkeypatch):
+    from specserve.sampling import FlatTrees, verify_trees
+
+    calls, real = [], layer_ops.greedy_walk
+    monkeypatch.setattr(layer_ops, "greedy_walk", lambda *a: calls.append(a[1]) or real(*a))
+    x = torch.zeros(1 + 3 + 1, 6)  # request 0: root and a 3-node tree; request 1: its root alone
+    x[0, 4] = x[1, 2] = x[3, 5] = x[4, 1] = 1.0  # 4 at the root, then 2 under node 0
+    trees = FlatTrees([0, 4], [([4, 3, 2], [-1, -1, 0], None), ([], [], None)], 6, "cpu")
+    verdict = verify_trees(x, None, None, None, trees, True)
+    assert (verdict.accepted, verdict.final) == ([[0, 2], []], [5, 1])
+    assert calls == [[0, 4]]
 
 
 def test_row_argmax_takes_the_kernel(monkeypatch):
