@@ -229,11 +229,16 @@ static void top_row(const float *x, int64_t n, int64_t k, float *val, int64_t *i
     for (int64_t j = 0; j < k; j++) val[j] -= lse;
 }
 
-/* x: rows of n floats, row r at x + r * row_stride; 1 <= k <= n; val, idx: [rows, k]. */
-void top_logprobs(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t k, float *val,
-                  int64_t *idx, int threads) {
+/* x: rows of n floats, row r at x + r * row_stride; 1 <= k <= n; val, idx: [rows, k]; the
+ * columns mapped through d2t [n] when it is not NULL (a draft vocabulary's ids in the target's). */
+void top_logprobs(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t k, const int64_t *d2t,
+                  float *val, int64_t *idx, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows > 1 && rows * n >= 4 * PARALLEL_MIN) schedule(static)
-    for (int64_t r = 0; r < rows; r++) top_row(x + r * row_stride, n, k, val + r * k, idx + r * k);
+    for (int64_t r = 0; r < rows; r++) {
+        top_row(x + r * row_stride, n, k, val + r * k, idx + r * k);
+        if (d2t)
+            for (int64_t j = 0; j < k; j++) idx[r * k + j] = d2t[idx[r * k + j]];
+    }
 }
 
 /* gate_up: [rows, 2 * inter] contiguous, each row gate then up; out: [rows, inter] contiguous. */
@@ -291,9 +296,7 @@ int medusa_trees(const float *x, int64_t K, int64_t B, int64_t n, int64_t row_st
         free(top_lp), free(top), free(score), free(node);
         return -1;
     }
-    top_logprobs(x, K * B, n, row_stride, w, top_lp, top, threads);
-    if (d2t)
-        for (int64_t i = 0; i < K * B * w; i++) top[i] = d2t[top[i]];
+    top_logprobs(x, K * B, n, row_stride, w, d2t, top_lp, top, threads);
     for (int64_t b = 0; b < B; b++) {
         int64_t left = budget[b];
         for (int64_t i = 0; i < P; i++) {

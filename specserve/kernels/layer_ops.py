@@ -30,7 +30,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rotary.restype = None
     lib.argmax.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.argmax.restype = None
-    lib.top_logprobs.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.top_logprobs.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.top_logprobs.restype = None
     lib.silu_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
     lib.silu_mul.restype = None
@@ -103,14 +103,17 @@ def greedy_walk(x: torch.Tensor, roots: list[int], trees: list[tuple[list[int], 
     return [got[s:s + m] for s, m in zip(starts, got[n:n + b])], got[n + b:]
 
 
-def top_logprobs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_logprobs(x: torch.Tensor, k: int, d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [rows, n] float32 logits (unit stride along a row), 1 <= k <= n -> (log-softmax
     values [rows, k] float32, descending, and their column indices [rows, k] int64): what
-    x.log_softmax(-1).topk(k) gives, to ~1e-6 (the lower index first on ties)."""
+    x.log_softmax(-1).topk(k) gives, to ~1e-6 (the lower index first on ties); the indices
+    mapped through d2t ([n] int64 contiguous) when given."""
     assert x.dim() == 2 and x.stride(-1) == 1 and 1 <= k <= x.shape[1]
+    assert d2t is None or (d2t.dtype == torch.int64 and d2t.is_contiguous() and len(d2t) == x.shape[1])
     val = torch.empty(x.shape[0], k)
     idx = torch.empty(x.shape[0], k, dtype=torch.int64)
-    _kernel.lib.top_logprobs(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, val.data_ptr(), idx.data_ptr(),
+    _kernel.lib.top_logprobs(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k,
+                             0 if d2t is None else d2t.data_ptr(), val.data_ptr(), idx.data_ptr(),
                              torch.get_num_threads())
     return val, idx
 
@@ -160,7 +163,7 @@ def medusa_trees(logits: torch.Tensor, heads: int, width: int, d2t: torch.Tensor
     its tree, depth first (empty lists: no node)."""
     assert logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype == torch.float32
     assert plan.dtype == dfs.dtype == torch.int64 and plan.is_contiguous() and dfs.is_contiguous()
-    assert d2t is None or (d2t.dtype == torch.int64 and d2t.is_contiguous())
+    assert d2t is None or (d2t.dtype == torch.int64 and d2t.is_contiguous() and len(d2t) == logits.shape[1])
     b, p = logits.shape[0] // heads, plan.shape[0]
     out = torch.empty(b, 2 * p + 1, dtype=torch.int64)
     scores = torch.empty(b, p, dtype=torch.float64)

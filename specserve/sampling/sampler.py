@@ -197,15 +197,17 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_logprobs(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] -> the k most likely columns of each row, as (log probabilities [N, k]
-    float32, descending; columns [N, k] int64): what drafting (EAGLE, Medusa) expands. On an
-    x86 CPU one C call (specserve.kernels.layer_ops.top_logprobs, ~3x PyTorch's log_softmax
-    then topk over a vocabulary); ties may come in another order than PyTorch's."""
+    float32, descending; columns [N, k] int64, through d2t [V] when given: a draft
+    vocabulary's ids in the target's): what drafting (EAGLE, Medusa, the draft model) expands.
+    On an x86 CPU one C call (specserve.kernels.layer_ops.top_logprobs, ~3x PyTorch's
+    log_softmax then topk over a vocabulary); ties may come in another order than PyTorch's."""
     logits = logits.float()
-    if logits.device.type == "cpu" and logits.stride(-1) == 1 and layer_ops.available():
-        return layer_ops.top_logprobs(logits, k)
-    return logits.log_softmax(-1).topk(k, -1)
+    if c_rows(logits):
+        return layer_ops.top_logprobs(logits, k, d2t)
+    val, idx = logits.log_softmax(-1).topk(k, -1)
+    return val, (d2t[idx] if d2t is not None else idx)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

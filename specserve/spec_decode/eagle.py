@@ -205,8 +205,8 @@ class EagleProposer:
         log q(child); each request's next frontier is its k best new nodes worth expanding.
         outs: [sum of parents, hidden], the parents' head outputs in order."""
         k = self.topk
-        top, ix = top_logprobs(self._lm_head(outs), k)  # [P, k] draft log q, ids
-        lp_l, tok_l = top.tolist(), (self.d2t[ix] if self.d2t is not None else ix).tolist()  # one sync
+        top, ix = top_logprobs(self._lm_head(outs), k, self.d2t)  # [P, k] draft log q, target ids
+        lp_l, tok_l = top.tolist(), ix.tolist()  # one sync
         at = 0
         for g, ps in zip(grow, parents):
             start = len(g.tokens)

@@ -185,8 +185,7 @@ class MedusaProposer:
             trees = layer_ops.medusa_trees(logits, self.heads.num_heads, self.width, self.d2t, self._plan, self._dfs,
                                            budgets, batch.min_score)
         else:
-            top_lp, top = top_logprobs(logits, self.width)
-            top = self.d2t[top] if self.d2t is not None else top
+            top_lp, top = top_logprobs(logits, self.width, self.d2t)
             shape = (self.heads.num_heads, len(ready), self.width)  # one transfer each
             trees = self.trees(top_lp.view(shape).tolist(), top.view(shape).tolist(), budgets, batch.min_score)
         for j, (tokens, parents, scores) in zip(ready, trees):

@@ -58,6 +58,9 @@ def test_top_logprobs_is_log_softmax_topk(shape, k):
     want_val, want_idx = x.log_softmax(-1).topk(k, -1)
     assert torch.equal(idx, want_idx)
     torch.testing.assert_close(val, want_val, atol=2e-6, rtol=1e-6)
+    d2t = torch.randperm(3 * shape[1], generator=g)[:shape[1]]  # a draft vocabulary's ids in the target's
+    mapped_val, mapped_idx = layer_ops.top_logprobs(x, k, d2t)
+    assert torch.equal(mapped_idx, d2t[want_idx]) and torch.equal(mapped_val, val)
     x[0, :] = -torch.inf  # a masked row: its allowed columns first, then the lowest masked ones
     x[0, shape[1] - 1] = 0.0
     val, idx = layer_ops.top_logprobs(x, k)
