@@ -140,7 +140,8 @@ static int64_t argmax_row(const float *x, int64_t n) {
 /* Greedy verification. x: rows of n floats (row r at x + r * row_stride); request b's tree has
  * nodes start[b] .. start[b + 1] - 1 of tok and par (its own indices: par -1 for a child of
  * the root, siblings distinct), its root at row root[b] and node i at row root[b] + 1 + i.
- * From the root, the child whose token is the row's argmax is accepted and its row read next;
+ * From the root, the child whose token is the row's argmax is accepted and its row read next
+ * (children are looked for after their parent only: a malformed tree cannot loop);
  * the accepted nodes go to path[start[b]..], their count to len[b], the argmax of the last row
  * read (the token after them) to final[b]. */
 void greedy_walk(const float *x, int64_t n, int64_t row_stride, int64_t B, const int64_t *root,
@@ -153,7 +154,7 @@ void greedy_walk(const float *x, int64_t n, int64_t row_stride, int64_t B, const
         for (;;) {
             const int64_t best = argmax_row(x + row * row_stride, n);
             int64_t next = -1;
-            for (int64_t i = s; i < e && next < 0; i++)
+            for (int64_t i = s + at + 1; i < e && next < 0; i++) /* children come after their parent */
                 if (par[i] == at && tok[i] == best) next = i - s;
             if (next < 0) {
                 final[b] = best;

@@ -94,6 +94,8 @@ def greedy_walk(x: torch.Tensor, roots: list[int], trees: list[tuple[list[int], 
         par += parents
         starts.append(len(tok))
     n = len(tok)
+    if b and max(r + len(t) for r, (t, _) in zip(roots, trees)) >= x.shape[0]:
+        raise IndexError(f"greedy_walk: a tree's rows run past the {x.shape[0]} rows of x")
     ins = (ctypes.c_int64 * (2 * b + 1 + 2 * n))(*roots, *starts, *tok, *par)
     outs = (ctypes.c_int64 * (n + 2 * b))()
     _kernel.lib.greedy_walk(x.data_ptr(), x.shape[1], x.stride(0), b, ins, ctypes.byref(ins, 8 * b),
@@ -164,6 +166,7 @@ def medusa_trees(logits: torch.Tensor, heads: int, width: int, d2t: torch.Tensor
     assert logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype == torch.float32
     assert plan.dtype == dfs.dtype == torch.int64 and plan.is_contiguous() and dfs.is_contiguous()
     assert d2t is None or (d2t.dtype == torch.int64 and d2t.is_contiguous() and len(d2t) == logits.shape[1])
+    assert logits.shape[0] % heads == 0, "medusa_trees: rows are heads x requests"
     b, p = logits.shape[0] // heads, plan.shape[0]
     out = torch.empty(b, 2 * p + 1, dtype=torch.int64)
     scores = torch.empty(b, p, dtype=torch.float64)

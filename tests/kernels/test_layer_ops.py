@@ -104,6 +104,8 @@ def test_greedy_verification_takes_the_walk(monkeypatch):
     verdict = verify_trees(x, None, None, None, trees, True)
     assert (verdict.accepted, verdict.final) == ([[0, 2], []], [5, 1])
     assert calls == [[0, 4]]
+    with pytest.raises(IndexError):  # a tree whose rows are not all in x
+        layer_ops.greedy_walk(x, [2], [([4, 3, 2], [-1, -1, 0])])
 
 
 def test_row_argmax_takes_the_kernel(monkeypatch):
