@@ -16,7 +16,8 @@
  * block formats keep, in a strip, each block of QK values of k as its 8 columns' scales (and
  * minima) followed by their quantized values (strip_bytes). float32 weights stream at memory
  * speed where MKL's GEMM, on an AVX2-only AMD CPU, took twice as long at one row and ~4x at
- * 2-16 rows (benchmarks/cpu_linear.py).
+ * 2-16 rows (benchmarks/cpu_linear.py). The block formats' chunk path (13 rows and more)
+ * multiplies with AVX-512 where the CPU has it (block_rows_wide): the same bits.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -238,41 +239,122 @@ Q_BLOCK_ROWS(Q8_0)
  * (BLOCK floats a row), and the last chunk stores them with the bias. Each output is the same
  * chain of multiply-adds in the same order as in the direct tiles: the same bits. */
 #define KC 128
-static void rebuild(int Q, const uint8_t *wb, int64_t K, int64_t k0, int64_t kc, float *buf) {
-    const int64_t sb = strip_bytes(Q, K);
+/* wide: the AVX-512 layout, 16 columns a vector (two strips side by side, k-major); else the
+ * float32 strip layout of 8. */
+static void rebuild(int Q, const uint8_t *wb, int64_t K, int64_t k0, int64_t kc, float *buf, int wide) {
+    const int64_t sb = strip_bytes(Q, K), step = wide ? 16 : 8; /* floats from one k to the next */
     for (int c = 0; c < 8; c++)
         for (int64_t kb = k0 / QK; kb < (k0 + kc) / QK; kb++) {
             const uint8_t *blk = wb + c * sb + kb * Q_BLOCK_BYTES(Q);
-            float *out = buf + 8 * (c * kc + kb * QK - k0);
+            float *out = buf + (wide ? 16 * ((c >> 1) * kc + kb * QK - k0) + 8 * (c & 1) : 8 * (c * kc + kb * QK - k0));
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)), w0, w1;
             if (Q == Q4_1) {
                 __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
                 for (int kp = 0; kp < QK / 2; kp++) {
                     q4_1_pair(blk + 32 + 8 * kp, d, m, &w0, &w1);
-                    _mm256_storeu_ps(out + 16 * kp, w0);
-                    _mm256_storeu_ps(out + 16 * kp + 8, w1);
+                    _mm256_storeu_ps(out + step * 2 * kp, w0);
+                    _mm256_storeu_ps(out + step * (2 * kp + 1), w1);
                 }
             } else {
-                for (int k = 0; k < QK; k++) _mm256_storeu_ps(out + 8 * k, q8_0_weight(blk + 16 + 8 * k, d));
+                for (int k = 0; k < QK; k++) _mm256_storeu_ps(out + step * k, q8_0_weight(blk + 16 + 8 * k, d));
             }
         }
+}
+
+/* The chunk's products with AVX-512 where the CPU has it (chosen at run time, use_avx512): R
+ * rows x the block's 64 columns as 4 vectors of 16. Lanes still hold columns, never k: each
+ * output is the same chain of fused multiply-adds over k as in the AVX2 tiles, so the same
+ * bits, at twice the columns per instruction (the chunk path is bound by them: at 64 rows it
+ * runs at the AVX2 peak of 2 cores, docs/benchmarks.md). */
+#define AVX512 __attribute__((target("avx512f")))
+static int use_avx512 = -1; /* -1: not decided yet */
+
+static inline AVX512 __attribute__((always_inline)) void tile_wide(
+        int R, const float *x, int64_t ldx, int64_t kc, const float *buf, const float *bias, int64_t n0,
+        int64_t N, float *y, int64_t ldy, const float *acc_in, float *acc_out) {
+    __m512 acc[6][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)
+            acc[r][c] = acc_in ? _mm512_loadu_ps(acc_in + r * BLOCK + 16 * c) : _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
+        __m512 wv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) wv[c] = _mm512_loadu_ps(buf + 16 * (c * kc + k));
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        if (acc_out) { /* a partial sum, continued by the next chunk */
+#pragma GCC unroll 6
+            for (int r = 0; r < R; r++) _mm512_storeu_ps(acc_out + r * BLOCK + 16 * c, acc[r][c]);
+            continue;
+        }
+        int64_t n = n0 + 16 * c; /* then the bias added: one rounding, as store_tile's */
+        if (n >= N) continue;
+        __mmask16 valid = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(valid, bias + n) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy + n, valid, _mm512_add_ps(acc[r][c], bv));
+    }
+}
+
+#define TILE_WIDE(R)                                                                                  \
+    static AVX512 void tile_wide_##R(const float *x, int64_t ldx, int64_t kc, const float *buf,      \
+                                     const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy, \
+                                     const float *acc_in, float *acc_out) {                          \
+        tile_wide(R, x, ldx, kc, buf, bias, n0, N, y, ldy, acc_in, acc_out);                         \
+    }
+TILE_WIDE(1) TILE_WIDE(2) TILE_WIDE(3) TILE_WIDE(4) TILE_WIDE(5) TILE_WIDE(6)
+
+static void block_rows_wide(const float *x, int64_t M, int64_t ldx, int64_t kc, const float *buf,
+                            const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy,
+                            const float *acc_in, float *acc_out) {
+    static void (*const tiles[])(const float *, int64_t, int64_t, const float *, const float *, int64_t,
+                                 int64_t, float *, int64_t, const float *, float *) = {
+        tile_wide_1, tile_wide_2, tile_wide_3, tile_wide_4, tile_wide_5, tile_wide_6};
+    for (int64_t m = 0; m < M; m += 6) {
+        int r = M - m < 6 ? (int)(M - m) : 6;
+        tiles[r - 1](x + m * ldx, ldx, kc, buf, bias, n0, N, y + m * ldy, ldy, ACC(acc_in, m), ACC(acc_out, m));
+    }
+}
+
+/* Whether the chunk path multiplies with AVX-512: on = -1 asks (the CPU's answer at first
+ * use), 0 / 1 set it (off always works; on only where the CPU has AVX-512F). */
+int cpu_linear_wide(int on) {
+    if (on == 0)
+        use_avx512 = 0;
+    else if (on > 0 || use_avx512 < 0)
+        use_avx512 = __builtin_cpu_supports("avx512f") != 0;
+    return use_avx512;
 }
 
 static void linear_buffered(int Q, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                             int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     int64_t blocks = (N + BLOCK - 1) / BLOCK;
+    const int wide = use_avx512 < 0 ? cpu_linear_wide(-1) : use_avx512;
 #pragma omp parallel num_threads(threads)
     {
-        float buf[BLOCK * KC] __attribute__((aligned(32)));
-        float *acc = (float *)_mm_malloc(sizeof(float) * BLOCK * M, 32);
+        float buf[BLOCK * KC] __attribute__((aligned(64)));
+        float *acc = (float *)_mm_malloc(sizeof(float) * BLOCK * M, 64);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *wb = packed + b * (BLOCK / 8) * strip_bytes(Q, K);
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 int64_t kc = K - k0 < KC ? K - k0 : KC;
-                rebuild(Q, wb, K, k0, kc, buf);
-                block_rows_F32(x + k0, M, ldx, kc, buf, NULL, bias, b * BLOCK, N, y, ldy,
-                               k0 ? acc : NULL, k0 + kc < K ? acc : NULL);
+                rebuild(Q, wb, K, k0, kc, buf, wide);
+                if (wide)
+                    block_rows_wide(x + k0, M, ldx, kc, buf, bias, b * BLOCK, N, y, ldy,
+                                    k0 ? acc : NULL, k0 + kc < K ? acc : NULL);
+                else
+                    block_rows_F32(x + k0, M, ldx, kc, buf, NULL, bias, b * BLOCK, N, y, ldy,
+                                   k0 ? acc : NULL, k0 + kc < K ? acc : NULL);
             }
         }
         _mm_free(acc);

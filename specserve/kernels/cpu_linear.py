@@ -24,6 +24,7 @@ Built and loaded by specserve.kernels.cbuild. `available()` says whether it can 
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import torch
@@ -41,6 +42,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("f32_linear", "q4_1_linear", "q8_0_linear"):
         getattr(lib, name).argtypes = lib.int8_linear.argtypes
         getattr(lib, name).restype = None
+    lib.cpu_linear_wide.argtypes = [ctypes.c_int]
+    lib.cpu_linear_wide.restype = ctypes.c_int
+    # the emulated AVX2 machine (docs/benchmarks.md) keeps our kernels to AVX2 as well
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
+        lib.cpu_linear_wide(0)
 
 
 _kernel = Kernel(Path(__file__).with_name("cpu_linear.c"), _declare)
@@ -52,6 +58,13 @@ def available() -> bool:
 
 def why_unavailable() -> str | None:
     return _kernel.why_unavailable()
+
+
+def wide(on: bool | None = None) -> bool:
+    """Whether the block formats' products from 13 rows on use AVX-512 (the same bits as
+    AVX2, twice the columns per instruction); on: True / False sets it (True only takes where
+    the CPU has AVX-512F), None asks. Off under ATEN_CPU_CAPABILITY=avx2 or default."""
+    return bool(_kernel.lib.cpu_linear_wide(-1 if on is None else int(on)))
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
