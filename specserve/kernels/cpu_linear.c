@@ -16,8 +16,9 @@
  * block formats keep, in a strip, each block of QK values of k as its 8 columns' scales (and
  * minima) followed by their quantized values (strip_bytes). float32 weights stream at memory
  * speed where MKL's GEMM, on an AVX2-only AMD CPU, took twice as long at one row and ~4x at
- * 2-16 rows (benchmarks/cpu_linear.py). The block formats' chunk path (13 rows and more)
- * multiplies with AVX-512 where the CPU has it (block_rows_wide): the same bits.
+ * 2-16 rows (benchmarks/cpu_linear.py). Where the CPU has AVX-512F the block formats run
+ * with 16 columns a vector (tile_q_wide, block_rows_wide; chosen at run time): the same bits,
+ * since lanes still hold columns.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -216,9 +217,9 @@ Q_TILES(Q8_0)
 BLOCK_ROWS(F32)
 BLOCK_ROWS(I8)
 
-/* One block of BLOCK columns for M < BUFFER_ROWS rows in a block format: one tile shape. */
+/* One block of BLOCK columns for M < BUFFER_ROWS rows in a block format: one tile shape (AVX2). */
 #define Q_BLOCK_ROWS(Q)                                                                      \
-    static void block_rows_##Q(const float *x, int64_t M, int64_t ldx, int64_t K, const void *wb,  \
+    static void block_rows_narrow_##Q(const float *x, int64_t M, int64_t ldx, int64_t K, const void *wb, \
                                const float *scale, const float *bias, int64_t n0, int64_t N,       \
                                float *y, int64_t ldy) {                                      \
         static void (*const tiles[])(const float *, int64_t, int64_t, const void *, int,     \
@@ -335,6 +336,125 @@ int cpu_linear_wide(int on) {
     return use_avx512;
 }
 
+/* The block formats' direct tiles (1 to 12 rows) with AVX-512: each weight rebuilt as in the
+ * AVX2 tiles (one fused multiply-add d * q + m, or d * q), 16 columns a vector (strips 2v and
+ * 2v + 1 side by side), so half the instructions for the rebuild that bounds a step of few
+ * rows; every output the same chain over k as in tile(): the same bits. */
+static inline AVX512 __m512 scales16(const uint8_t *a, const uint8_t *b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+static inline AVX512 __m128i bytes16(const uint8_t *a, const uint8_t *b) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+}
+
+static inline AVX512 __attribute__((always_inline)) void tile_q_wide(
+        int R, int C, int Q, const float *x, int64_t ldx, int64_t K, const void *wb, int c0,
+        const float *scale, const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy) {
+    __m512 acc[12][4];
+#pragma GCC unroll 12
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    const int64_t sb = strip_bytes(Q, K);
+    const uint8_t *w = (const uint8_t *)wb + 2 * c0 * sb; /* vector c: strips 2 (c0 + c) and the next */
+    for (int64_t kb = 0; kb < K / QK; kb++) {
+        const uint8_t *blk = w + kb * Q_BLOCK_BYTES(Q);
+        const float *xb = x + kb * QK;
+        __m512 d[4], m[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            const uint8_t *a = blk + 2 * c * sb, *b = a + sb;
+            d[c] = scales16(a, b);
+            m[c] = Q == Q4_1 ? scales16(a + 16, b + 16) : _mm512_setzero_ps();
+        }
+        if (Q == Q4_1) {
+            for (int kp = 0; kp < QK / 2; kp++) {
+                __m512 w0[4], w1[4];
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) {
+                    const uint8_t *a = blk + 2 * c * sb + 32 + 8 * kp;
+                    __m512i v = _mm512_cvtepu8_epi32(bytes16(a, a + sb));
+                    w0[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d[c], m[c]);
+                    w1[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d[c], m[c]);
+                }
+#pragma GCC unroll 12
+                for (int r = 0; r < R; r++) {
+                    __m512 x0 = _mm512_set1_ps(xb[r * ldx + 2 * kp]), x1 = _mm512_set1_ps(xb[r * ldx + 2 * kp + 1]);
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; c++)
+                        acc[r][c] = _mm512_fmadd_ps(x1, w1[c], _mm512_fmadd_ps(x0, w0[c], acc[r][c]));
+                }
+            }
+        } else {
+            for (int k = 0; k < QK; k++) {
+                __m512 wv[4];
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) {
+                    const uint8_t *a = blk + 2 * c * sb + 16 + 8 * k;
+                    wv[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(a, a + sb))), d[c]);
+                }
+#pragma GCC unroll 12
+                for (int r = 0; r < R; r++) {
+                    __m512 xv = _mm512_set1_ps(xb[r * ldx + k]);
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++) { /* scaled, then the bias added: store_tile's two roundings */
+        int64_t n = n0 + 16 * (c0 + c);
+        if (n >= N) continue;
+        __mmask16 valid = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(valid, bias + n) : _mm512_setzero_ps();
+        __m512 sv = scale ? _mm512_maskz_loadu_ps(valid, scale + n) : _mm512_set1_ps(1.0f);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; r++) {
+            __m512 v = scale ? _mm512_mul_ps(acc[r][c], sv) : acc[r][c];
+            _mm512_mask_storeu_ps(y + r * ldy + n, valid, _mm512_add_ps(v, bv));
+        }
+    }
+}
+
+#define TILE_Q_WIDE(R, C, Q)                                                                          \
+    static AVX512 __attribute__((noinline)) void tile_wide_##R##x##C##_##Q(                           \
+            const float *x, int64_t ldx, int64_t K, const void *wb, int c0, const float *scale,       \
+            const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy) {                        \
+        tile_q_wide(R, C, Q, x, ldx, K, wb, c0, scale, bias, n0, N, y, ldy);                          \
+    }
+/* 1-4 rows x the block's 4 vectors, 5-12 rows x 2 (32 registers: measured on an AMX Xeon,
+ * a step's products at 2 / 4 / 8 / 12 rows 7.9 / 8.8 / 12.1 / 15.1 ms, against 8.9 / 9.8 /
+ * 14.7 / 17.5 with the AVX2 shapes at twice the width, docs/benchmarks.md). */
+#define Q_TILES_WIDE(Q) TILE_Q_WIDE(1, 4, Q) TILE_Q_WIDE(2, 4, Q) TILE_Q_WIDE(3, 4, Q) TILE_Q_WIDE(4, 4, Q)  \
+    TILE_Q_WIDE(5, 2, Q) TILE_Q_WIDE(6, 2, Q) TILE_Q_WIDE(7, 2, Q) TILE_Q_WIDE(8, 2, Q) TILE_Q_WIDE(9, 2, Q) \
+    TILE_Q_WIDE(10, 2, Q) TILE_Q_WIDE(11, 2, Q) TILE_Q_WIDE(12, 2, Q)
+Q_TILES_WIDE(Q4_1)
+Q_TILES_WIDE(Q8_0)
+
+/* One block of BLOCK columns for M < BUFFER_ROWS rows in a block format: one tile shape,
+ * AVX-512 where chosen (use_avx512), else AVX2. */
+#define Q_BLOCK_ROWS_ANY(Q)                                                                            \
+    static void block_rows_##Q(const float *x, int64_t M, int64_t ldx, int64_t K, const void *wb,     \
+                               const float *scale, const float *bias, int64_t n0, int64_t N,          \
+                               float *y, int64_t ldy) {                                               \
+        static void (*const tiles[])(const float *, int64_t, int64_t, const void *, int, const float *, \
+                                     const float *, int64_t, int64_t, float *, int64_t) = {            \
+            tile_wide_1x4_##Q, tile_wide_2x4_##Q, tile_wide_3x4_##Q, tile_wide_4x4_##Q,                 \
+            tile_wide_5x2_##Q, tile_wide_6x2_##Q, tile_wide_7x2_##Q, tile_wide_8x2_##Q,                 \
+            tile_wide_9x2_##Q, tile_wide_10x2_##Q, tile_wide_11x2_##Q, tile_wide_12x2_##Q};             \
+        static const int vectors[] = {4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2};                              \
+        if (use_avx512 <= 0) {                                                                         \
+            block_rows_narrow_##Q(x, M, ldx, K, wb, scale, bias, n0, N, y, ldy);                        \
+            return;                                                                                    \
+        }                                                                                              \
+        for (int c0 = 0; c0 < 4; c0 += vectors[M - 1])                                                 \
+            tiles[M - 1](x, ldx, K, wb, c0, scale, bias, n0, N, y, ldy);                               \
+    }
+Q_BLOCK_ROWS_ANY(Q4_1)
+Q_BLOCK_ROWS_ANY(Q8_0)
+
 static void linear_buffered(int Q, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed,
                             int64_t N, const float *bias, float *y, int64_t ldy, int threads) {
     int64_t blocks = (N + BLOCK - 1) / BLOCK;
@@ -368,6 +488,7 @@ static void linear_buffered(int Q, const float *x, int64_t M, int64_t K, int64_t
 #define LINEAR(NAME, Q)                                                                           \
     void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed, int64_t N,\
               const float *scale, const float *bias, float *y, int64_t ldy, int threads) {        \
+        if (use_avx512 < 0) cpu_linear_wide(-1);                                                  \
         if ((Q == Q4_1 || Q == Q8_0) && M >= BUFFER_ROWS) {                                       \
             linear_buffered(Q, x, M, K, ldx, packed, N, bias, y, ldy, threads);                   \
             return;                                                                               \
