@@ -182,6 +182,24 @@ def test_gguf_blocks_give_the_float32_products_bit_for_bit(fmt, chunk_isa):
 
 
 @needs_kernel
+def test_the_blocks_isa_is_measured_and_set(monkeypatch):
+    """pick_wide_blocks times AVX-512 against AVX2 on the layers it is given (where the CPU has
+    AVX-512F) and leaves the kernel on the faster one; kept to AVX2, it measures nothing."""
+    import specserve.model.quant as quant
+
+    layers = [cpu_linear.pack_float32(gguf_like("q4_1", 192, 128, seed), None) for seed in range(2)]
+    was = cpu_linear.wide()
+    try:
+        monkeypatch.setattr(quant, "_WIDE", [])
+        assert quant.pick_wide_blocks(layers) == cpu_linear.wide() == (bool(quant._WIDE) and quant._WIDE[0])
+        cpu_linear.wide(False)
+        monkeypatch.setattr(quant, "_WIDE", [])
+        assert quant.pick_wide_blocks(layers) is False and quant._WIDE == []
+    finally:
+        cpu_linear.wide(was)
+
+
+@needs_kernel
 def test_weights_that_are_not_exact_blocks_stay_float32():
     w = gguf_like("q4_1", 64, 64)
     w[5, 7] = torch.nextafter(w[5, 7], torch.tensor(1.0))  # one weight off by one unit in the last place

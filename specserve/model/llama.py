@@ -244,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
         activation in one C call each (specserve.kernels.layer_ops; a few rows paid ~20 dispatches per layer).
         """
         from specserve.kernels import cpu_linear
-        from specserve.model.quant import f32_kernel_pays
+        from specserve.model.quant import f32_kernel_pays, pick_wide_blocks
 
         weight = self.lm_head.weight.detach()
         cpu = weight.device.type == "cpu"
@@ -255,6 +255,9 @@ class LlamaForCausalLM(nn.Module):
             for module in self.layers.modules():
                 if isinstance(module, Linear):
                     module.pack()
+            if self.lm_head_kernel.format != "f32":  # GGUF blocks: AVX-512 or AVX2, as measured here
+                pick_wide_blocks([m.packed for layer in self.layers
+                                  for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)])
         self.lm_head_t = weight.t().contiguous() if f32 and self.lm_head_kernel is None else None
         for module in self.modules():
             if isinstance(module, Linear):

@@ -89,6 +89,7 @@ def check_target_quantization(value: str, device: str) -> None:
 
 _INT8_PAYS: dict[tuple, bool] = {}
 _F32_PAYS: dict[tuple, bool] = {}
+_WIDE: list[bool] | None = [] if cpu_linear.available() else None  # pick_wide_blocks' answer
 
 
 def _faster(ours, theirs, hidden: int, dtype: torch.dtype, rows_list=(1, 4), margin: float = 0.9,
@@ -126,6 +127,29 @@ def f32_kernel_pays(hidden: int, intermediate: int) -> bool:
             _F32_PAYS[key] = _faster(lambda x: [p(x) for p in packed], lambda x: [F.linear(x, w) for w in weights],
                                      hidden, torch.float32, (1, 8), rounds=5)
     return _F32_PAYS[key]
+
+
+def pick_wide_blocks(layers: list) -> bool:
+    """Whether our kernel runs GGUF blocks with AVX-512 (specserve.kernels.cpu_linear.wide) or
+    AVX2, from which of the two is faster at 1 and 8 rows over `layers` (packed products that
+    take [rows, hidden], e.g. a model's every q/k/v and gate/up: tens of MB, as a decode step
+    streams them). Both give the same bits, so this is a choice of speed alone, measured where
+    it runs (on an AMX Xeon AVX-512 was 1.1x at one row and 1.7x at 8; CPUs that split 512-bit
+    operations may differ). Sets the kernel's choice and returns it; asked once a process."""
+    if _WIDE is None or not cpu_linear.wide():  # no AVX-512F, or kept to AVX2 (the emulated machine)
+        return cpu_linear.available() and cpu_linear.wide()
+    if not _WIDE:
+        hidden = layers[0].in_features
+
+        def run(on: bool):
+            def products(x):
+                cpu_linear.wide(on)
+                for layer in layers:
+                    layer(x)
+            return products
+
+        _WIDE.append(_faster(run(True), run(False), hidden, torch.float32, (1, 8), margin=1.0, rounds=3))
+    return cpu_linear.wide(_WIDE[0])
 
 
 def int8_pays(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
