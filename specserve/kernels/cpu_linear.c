@@ -347,6 +347,15 @@ static inline AVX512 __m512 scales16(const uint8_t *a, const uint8_t *b) {
 static inline AVX512 __m128i bytes16(const uint8_t *a, const uint8_t *b) {
     return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
 }
+/* q4_1_pair and q8_0_weight for the 16 columns of strips a and a + sb. */
+static inline AVX512 void q4_1_pair16(const uint8_t *a, int64_t sb, __m512 d, __m512 m, __m512 *w0, __m512 *w1) {
+    __m512i v = _mm512_cvtepu8_epi32(bytes16(a, a + sb));
+    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d, m);
+    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
+}
+static inline AVX512 __m512 q8_0_weight16(const uint8_t *a, int64_t sb, __m512 d) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(a, a + sb))), d);
+}
 
 static inline AVX512 __attribute__((always_inline)) void tile_q_wide(
         int R, int C, int Q, const float *x, int64_t ldx, int64_t K, const void *wb, int c0,
@@ -372,12 +381,7 @@ static inline AVX512 __attribute__((always_inline)) void tile_q_wide(
             for (int kp = 0; kp < QK / 2; kp++) {
                 __m512 w0[4], w1[4];
 #pragma GCC unroll 4
-                for (int c = 0; c < C; c++) {
-                    const uint8_t *a = blk + 2 * c * sb + 32 + 8 * kp;
-                    __m512i v = _mm512_cvtepu8_epi32(bytes16(a, a + sb));
-                    w0[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d[c], m[c]);
-                    w1[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d[c], m[c]);
-                }
+                for (int c = 0; c < C; c++) q4_1_pair16(blk + 2 * c * sb + 32 + 8 * kp, sb, d[c], m[c], &w0[c], &w1[c]);
 #pragma GCC unroll 12
                 for (int r = 0; r < R; r++) {
                     __m512 x0 = _mm512_set1_ps(xb[r * ldx + 2 * kp]), x1 = _mm512_set1_ps(xb[r * ldx + 2 * kp + 1]);
@@ -390,10 +394,7 @@ static inline AVX512 __attribute__((always_inline)) void tile_q_wide(
             for (int k = 0; k < QK; k++) {
                 __m512 wv[4];
 #pragma GCC unroll 4
-                for (int c = 0; c < C; c++) {
-                    const uint8_t *a = blk + 2 * c * sb + 16 + 8 * k;
-                    wv[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(a, a + sb))), d[c]);
-                }
+                for (int c = 0; c < C; c++) wv[c] = q8_0_weight16(blk + 2 * c * sb + 16 + 8 * k, sb, d[c]);
 #pragma GCC unroll 12
                 for (int r = 0; r < R; r++) {
                     __m512 xv = _mm512_set1_ps(xb[r * ldx + k]);
