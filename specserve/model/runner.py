@@ -35,10 +35,10 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto": on CUDA bfloat16 (float16 where it is not supported). On a CPU float32 where our
     C kernels run (x86 with AVX2: products, norms, rotary and attention in C, and a GGUF
     model's weights read in their Q4_1/Q8_0 blocks; on an AVX512-BF16 AMD EPYC, 3.2x
-    oneDNN's bfloat16 at one request and 1.7x at 8; on an AMX Xeon 3.6x at one request, 1.2x
-    at 16, but bfloat16 is 1.2-1.7x faster from 32 in flight, docs/benchmarks.md: the dtype
-    is chosen once, for low load), else bfloat16 where the CPU multiplies it natively
-    (AVX512-BF16 or AMX), else float32."""
+    oneDNN's bfloat16 at one request and 1.7x at 8; on an AMX Xeon 3.5x at one request, 1.1x
+    at 32, but bfloat16 1.14x faster at 64 in flight, docs/benchmarks.md: the dtype is chosen
+    once, for low load), else bfloat16 where the CPU multiplies it natively (AVX512-BF16 or
+    AMX), else float32."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
