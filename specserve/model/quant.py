@@ -89,7 +89,7 @@ def check_target_quantization(value: str, device: str) -> None:
 
 _INT8_PAYS: dict[tuple, bool] = {}
 _F32_PAYS: dict[tuple, bool] = {}
-_WIDE: list[bool] | None = [] if cpu_linear.available() else None  # pick_wide_blocks' answer
+_WIDE: list[bool] = []  # pick_wide_blocks' answer, once measured
 
 
 def _faster(ours, theirs, hidden: int, dtype: torch.dtype, rows_list=(1, 4), margin: float = 0.9,
@@ -136,8 +136,8 @@ def pick_wide_blocks(layers: list) -> bool:
     streams them). Both give the same bits, so this is a choice of speed alone, measured where
     it runs (on an AMX Xeon AVX-512 was 1.1x at one row and 1.7x at 8; CPUs that split 512-bit
     operations may differ). Sets the kernel's choice and returns it; asked once a process."""
-    if _WIDE is None or not cpu_linear.wide():  # no AVX-512F, or kept to AVX2 (the emulated machine)
-        return cpu_linear.available() and cpu_linear.wide()
+    if not cpu_linear.available() or not cpu_linear.wide():  # no AVX-512F, or kept to AVX2 (emulated AVX2)
+        return False
     if not _WIDE:
         hidden = layers[0].in_features
 
