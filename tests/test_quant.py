@@ -153,9 +153,9 @@ def gguf_like(fmt: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.fixture(params=["avx2", "avx512"])
-def chunk_isa(request):
-    """The block formats' chunk path (13 rows and more) with AVX2 tiles, then AVX-512 ones
-    (where the CPU has AVX-512F); the kernel's own choice restored after."""
+def blocks_isa(request):
+    """The block formats (direct tiles and chunk path) with AVX2, then with AVX-512 (where the
+    CPU has AVX-512F); the kernel's own choice restored after."""
     was = cpu_linear.wide()
     if not cpu_linear.wide(request.param == "avx512") and request.param == "avx512":
         cpu_linear.wide(was)
@@ -166,7 +166,7 @@ def chunk_isa(request):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_gguf_blocks_give_the_float32_products_bit_for_bit(fmt, chunk_isa):
+def test_gguf_blocks_give_the_float32_products_bit_for_bit(fmt, blocks_isa):
     w = gguf_like(fmt, 77, 288)  # 77: a last, partial strip of columns; 288: chunks of k of 128, 128, 32
     bias = torch.randn(77)
     packed, dense = cpu_linear.pack_float32(w, bias), cpu_linear.PackedFloat32(w, bias)

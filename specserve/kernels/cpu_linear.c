@@ -262,13 +262,35 @@ static void rebuild(int Q, const uint8_t *wb, int64_t K, int64_t k0, int64_t kc,
         }
 }
 
-/* The chunk's products with AVX-512 where the CPU has it (chosen at run time, use_avx512): R
- * rows x the block's 64 columns as 4 vectors of 16. Lanes still hold columns, never k: each
- * output is the same chain of fused multiply-adds over k as in the AVX2 tiles, so the same
- * bits, at twice the columns per instruction (the chunk path is bound by them: at 64 rows it
- * runs at the AVX2 peak of 2 cores, docs/benchmarks.md). */
+/* The block formats with AVX-512 where the CPU has it (chosen at run time, use_avx512: the
+ * chunk path below and the direct tiles further down). Lanes still hold columns, never k:
+ * each output is the same chain of fused multiply-adds over k as in the AVX2 tiles, so the
+ * same bits, at twice the columns per instruction (at 64 rows the AVX2 chunk path ran at the
+ * FMA peak of 2 cores, docs/benchmarks.md). */
 #define AVX512 __attribute__((target("avx512f")))
 static int use_avx512 = -1; /* -1: not decided yet */
+
+/* store_tile for R x C vectors of 16 columns from column vector c0 (scale NULL: not scaled,
+ * bias NULL: zero); the columns past N masked off. */
+static inline AVX512 __attribute__((always_inline)) void store_tile_wide(
+        int R, int C, __m512 acc[][4], int c0, const float *scale, const float *bias, int64_t n0, int64_t N,
+        float *y, int64_t ldy) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++) {
+        int64_t n = n0 + 16 * (c0 + c);
+        if (n >= N) continue;
+        __mmask16 valid = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(valid, bias + n) : _mm512_setzero_ps();
+        __m512 sv = scale ? _mm512_maskz_loadu_ps(valid, scale + n) : _mm512_set1_ps(1.0f);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; r++) {
+            __m512 v = scale ? _mm512_mul_ps(acc[r][c], sv) : acc[r][c];
+            _mm512_mask_storeu_ps(y + r * ldy + n, valid, _mm512_add_ps(v, bv));
+        }
+    }
+}
+
+/* The chunk's products: R rows x the block's 64 columns as 4 vectors of 16. */
 
 static inline AVX512 __attribute__((always_inline)) void tile_wide(
         int R, const float *x, int64_t ldx, int64_t kc, const float *buf, const float *bias, int64_t n0,
@@ -290,20 +312,14 @@ static inline AVX512 __attribute__((always_inline)) void tile_wide(
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
         }
     }
+    if (acc_out) { /* a partial sum, continued by the next chunk */
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) {
-        if (acc_out) { /* a partial sum, continued by the next chunk */
-#pragma GCC unroll 6
-            for (int r = 0; r < R; r++) _mm512_storeu_ps(acc_out + r * BLOCK + 16 * c, acc[r][c]);
-            continue;
-        }
-        int64_t n = n0 + 16 * c; /* then the bias added: one rounding, as store_tile's */
-        if (n >= N) continue;
-        __mmask16 valid = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-        __m512 bv = bias ? _mm512_maskz_loadu_ps(valid, bias + n) : _mm512_setzero_ps();
-#pragma GCC unroll 6
-        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy + n, valid, _mm512_add_ps(acc[r][c], bv));
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc_out + r * BLOCK + 16 * c, acc[r][c]);
+        return;
     }
+    store_tile_wide(R, 4, acc, 0, NULL, bias, n0, N, y, ldy);
 }
 
 #define TILE_WIDE(R)                                                                                  \
@@ -326,7 +342,7 @@ static void block_rows_wide(const float *x, int64_t M, int64_t ldx, int64_t kc, 
     }
 }
 
-/* Whether the chunk path multiplies with AVX-512: on = -1 asks (the CPU's answer at first
+/* Whether the block formats run with AVX-512: on = -1 asks (the CPU's answer at first
  * use), 0 / 1 set it (off always works; on only where the CPU has AVX-512F). */
 int cpu_linear_wide(int on) {
     if (on == 0)
@@ -404,19 +420,7 @@ static inline AVX512 __attribute__((always_inline)) void tile_q_wide(
             }
         }
     }
-#pragma GCC unroll 4
-    for (int c = 0; c < C; c++) { /* scaled, then the bias added: store_tile's two roundings */
-        int64_t n = n0 + 16 * (c0 + c);
-        if (n >= N) continue;
-        __mmask16 valid = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-        __m512 bv = bias ? _mm512_maskz_loadu_ps(valid, bias + n) : _mm512_setzero_ps();
-        __m512 sv = scale ? _mm512_maskz_loadu_ps(valid, scale + n) : _mm512_set1_ps(1.0f);
-#pragma GCC unroll 12
-        for (int r = 0; r < R; r++) {
-            __m512 v = scale ? _mm512_mul_ps(acc[r][c], sv) : acc[r][c];
-            _mm512_mask_storeu_ps(y + r * ldy + n, valid, _mm512_add_ps(v, bv));
-        }
-    }
+    store_tile_wide(R, C, acc, c0, scale, bias, n0, N, y, ldy);
 }
 
 #define TILE_Q_WIDE(R, C, Q)                                                                          \

@@ -61,9 +61,10 @@ def why_unavailable() -> str | None:
 
 
 def wide(on: bool | None = None) -> bool:
-    """Whether the block formats' products from 13 rows on use AVX-512 (the same bits as
-    AVX2, twice the columns per instruction); on: True / False sets it (True only takes where
-    the CPU has AVX-512F), None asks. Off under ATEN_CPU_CAPABILITY=avx2 or default."""
+    """Whether the block formats' products (direct tiles and chunk path) use AVX-512 (the
+    same bits as AVX2, twice the columns per instruction); on: True / False sets it (True only
+    takes where the CPU has AVX-512F), None asks. Off under ATEN_CPU_CAPABILITY=avx2 or
+    default; model.quant.pick_wide_blocks sets it from a measurement at start."""
     return bool(_kernel.lib.cpu_linear_wide(-1 if on is None else int(on)))
 
 
