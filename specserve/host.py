@@ -14,4 +14,5 @@ import torch
 
 def int_tensor(values, device: torch.device | str = "cpu") -> torch.Tensor:
     """An int64 tensor on `device` of a (nested, rectangular) list of ints."""
-    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
+    t = torch.from_numpy(np.array(values, dtype=np.int64))
+    return t if getattr(device, "type", device) == "cpu" else t.to(device)  # (a call less on the CPU)

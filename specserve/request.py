@@ -109,10 +109,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+    def __init__(self, value: str) -> None:
+        # an attribute, not a property: read for every request several times a step
+        self.finished = value in ("stop", "length", "abort")
 
 
 @dataclass

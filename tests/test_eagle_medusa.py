@@ -395,8 +395,6 @@ def test_medusa_trees_come_depth_first_and_a_budget_keeps_the_shorter_paths(tmp_
     """Medusa's tree lists its nodes depth first (rank paths in lexicographic order); a budget
     smaller than the tree keeps the shorter paths first, as before the order changed. The
     trees built in Python (off the CPU) are the C call's."""
-    import specserve.spec_decode.medusa as medusa
-
     llm = tiny_llm(tmp_path, {"method": "medusa", "model": str(write_medusa(tmp_path / "heads")),
                               "adaptive": False, "quantization": "none", "lookup_branch": 0})
     prop = llm.engine.spec.proposer
@@ -413,7 +411,7 @@ def test_medusa_trees_come_depth_first_and_a_budget_keeps_the_shorter_paths(tmp_
         want = {(t, s) for j, (t, s) in enumerate(zip(full.tokens, full.scores)) if prop.dfs[j] < budget}
         assert set(zip(cut.tokens, cut.scores)) == want
     in_c = [prop.propose(propose_batch([req], budget))[0] for budget in (4, 64)]
-    monkeypatch.setattr(medusa, "c_rows", lambda x: False)
+    monkeypatch.setattr(prop, "_c_trees", None)
     in_python = [prop.propose(propose_batch([req], budget))[0] for budget in (4, 64)]
     assert [(t.tokens, t.parents, t.scores) for t in in_python] == [(t.tokens, t.parents, t.scores) for t in in_c]
 

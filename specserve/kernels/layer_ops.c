@@ -137,16 +137,21 @@ static int64_t argmax_row(const float *x, int64_t n) {
     return 0;
 }
 
-/* Greedy verification. x: rows of n floats (row r at x + r * row_stride); request b's tree has
- * nodes start[b] .. start[b + 1] - 1 of tok and par (its own indices: par -1 for a child of
- * the root, siblings distinct), its root at row root[b] and node i at row root[b] + 1 + i.
- * From the root, the child whose token is the row's argmax is accepted and its row read next
- * (children are looked for after their parent only: a malformed tree cannot loop);
- * the accepted nodes go to path[start[b]..], their count to len[b], the argmax of the last row
- * read (the token after them) to final[b]. */
-void greedy_walk(const float *x, int64_t n, int64_t row_stride, int64_t B, const int64_t *root,
-                 const int64_t *start, const int64_t *tok, const int64_t *par, int64_t *path, int64_t *len,
-                 int64_t *final, int threads) {
+/* Greedy verification. x: `rows` rows of n floats (row r at x + r * row_stride); B requests,
+ * M nodes in all. in: root[B], start[B + 1], tok[M], par[M], one after the other: request b's
+ * tree has nodes start[b] .. start[b + 1] - 1 of tok and par (its own indices: par -1 for a
+ * child of the root, siblings distinct), its root at row root[b] and node i at row
+ * root[b] + 1 + i. From the root, the child whose token is the row's argmax is accepted and its
+ * row read next (children are looked for after their parent only: a malformed tree cannot
+ * loop). out: path[M], len[B], final[B]: the accepted nodes go to path[start[b]..], their
+ * count to len[b], the argmax of the last row read (the token after them) to final[b].
+ * Returns -1, having read nothing, when a tree's rows run past x. */
+int greedy_walk(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t B, int64_t M,
+                const int64_t *in, int64_t *out, int threads) {
+    const int64_t *root = in, *start = in + B, *tok = in + 2 * B + 1, *par = tok + M;
+    int64_t *path = out, *len = out + M, *final = out + M + B;
+    for (int64_t b = 0; b < B; b++)
+        if (root[b] < 0 || root[b] + start[b + 1] - start[b] >= rows) return -1;
 #pragma omp parallel for num_threads(threads) if (B > 1 && B * n >= 4 * PARALLEL_MIN) schedule(static)
     for (int64_t b = 0; b < B; b++) {
         const int64_t s = start[b], e = start[b + 1];
@@ -166,6 +171,7 @@ void greedy_walk(const float *x, int64_t n, int64_t row_stride, int64_t B, const
         }
         len[b] = m;
     }
+    return 0;
 }
 
 /* x: rows of n floats, row r at x + r * row_stride; out: [rows] int64. */

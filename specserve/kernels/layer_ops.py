@@ -36,8 +36,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul.restype = None
     lib.copy_slots.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64]
     lib.copy_slots.restype = ctypes.c_int
-    lib.greedy_walk.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
-    lib.greedy_walk.restype = None
+    lib.greedy_walk.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.greedy_walk.restype = ctypes.c_int
     lib.medusa_trees.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_double, ptr, ptr,
                                  ctypes.c_int]
     lib.medusa_trees.restype = ctypes.c_int
@@ -48,6 +48,21 @@ _kernel = Kernel(Path(__file__).with_name("layer_ops.c"), _declare)
 
 def available() -> bool:
     return _kernel.available()
+
+
+def rows_view(x: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(data pointer, rows, columns, row stride) of x when these kernels can read its rows (a
+    2-d float32 CPU tensor with unit stride along a row, the library built), else None. Five
+    tensor calls: between a step's forwards every distinct call into torch costs several
+    microseconds (its code comes back cold), so the step's wrappers below take x's geometry once,
+    here, and check nothing else of it."""
+    if not (x.is_cpu and x.dtype is torch.float32):
+        return None
+    stride = x.stride()
+    if len(stride) != 2 or stride[1] != 1 or not _kernel.available():
+        return None
+    rows, n = x.shape
+    return x.data_ptr(), rows, n, stride[0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -81,28 +96,25 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def greedy_walk(x: torch.Tensor, roots: list[int], trees: list[tuple[list[int], list[int]]]
+def greedy_walk(x: tuple[int, int, int, int], roots: list[int], trees: list[tuple[list[int], list[int]]]
                 ) -> tuple[list[list[int]], list[int]]:
-    """Greedy verification (layer_ops.c: greedy_walk). x: [rows, n] float32 logits (unit stride
-    along a row); request b's root at row roots[b], its tree (tokens, parents) node i at row
-    roots[b] + 1 + i. -> (each request's accepted nodes from the root, the argmax after them):
-    what following each row's torch.argmax gives, reading only the rows on the way."""
-    assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] > 0
+    """Greedy verification (layer_ops.c: greedy_walk). x: rows_view of [rows, n] logits; request
+    b's root at row roots[b], its tree (tokens, parents) node i at row roots[b] + 1 + i. ->
+    (each request's accepted nodes from the root, the argmax after them): what following each
+    row's torch.argmax gives, reading only the rows on the way."""
+    ptr, rows, n, row_stride = x
     b, starts, tok, par = len(roots), [0], [], []
     for tokens, parents in trees:
         tok += tokens
         par += parents
         starts.append(len(tok))
-    n = len(tok)
-    if b and max(r + len(t) for r, (t, _) in zip(roots, trees)) >= x.shape[0]:
-        raise IndexError(f"greedy_walk: a tree's rows run past the {x.shape[0]} rows of x")
-    ins = (ctypes.c_int64 * (2 * b + 1 + 2 * n))(*roots, *starts, *tok, *par)
-    outs = (ctypes.c_int64 * (n + 2 * b))()
-    _kernel.lib.greedy_walk(x.data_ptr(), x.shape[1], x.stride(0), b, ins, ctypes.byref(ins, 8 * b),
-                            ctypes.byref(ins, 8 * (2 * b + 1)), ctypes.byref(ins, 8 * (2 * b + 1 + n)), outs,
-                            ctypes.byref(outs, 8 * n), ctypes.byref(outs, 8 * (n + b)), torch.get_num_threads())
+    m = len(tok)
+    outs = (ctypes.c_int64 * (m + 2 * b))()
+    if _kernel.lib.greedy_walk(ptr, rows, n, row_stride, b, m, (ctypes.c_int64 * (2 * b + 1 + 2 * m))(
+            *roots, *starts, *tok, *par), outs, torch.get_num_threads()):
+        raise IndexError(f"greedy_walk: a tree's rows run past the {rows} rows of x")
     got = outs[:]
-    return [got[s:s + m] for s, m in zip(starts, got[n:n + b])], got[n + b:]
+    return [got[s:s + k] for s, k in zip(starts, got[m:m + b])], got[m + b:]
 
 
 def top_logprobs(x: torch.Tensor, k: int, d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +130,17 @@ def top_logprobs(x: torch.Tensor, k: int, d2t: torch.Tensor | None = None) -> tu
                              0 if d2t is None else d2t.data_ptr(), val.data_ptr(), idx.data_ptr(),
                              torch.get_num_threads())
     return val, idx
+
+
+def top_logprob_lists(x: tuple[int, int, int, int], k: int, d2t: int = 0) -> tuple[list[float], list[int]]:
+    """top_logprobs of x (a rows_view, k <= its columns) as flat host lists, row after row:
+    ([rows * k] log-softmax values, [rows * k] columns through d2t, the address of an [n]
+    int64 contiguous map, when not 0): drafting reads them on the host, and this way no tensor
+    is made or read."""
+    ptr, rows, n, row_stride = x
+    val, idx = (ctypes.c_float * (rows * k))(), (ctypes.c_int64 * (rows * k))()
+    _kernel.lib.top_logprobs(ptr, rows, n, row_stride, k, d2t, val, idx, torch.get_num_threads())
+    return val[:], idx[:]
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -155,28 +178,37 @@ def slot_mover(k_cache: torch.Tensor, v_cache: torch.Tensor):
     return move
 
 
-def medusa_trees(logits: torch.Tensor, heads: int, width: int, d2t: torch.Tensor | None, plan: torch.Tensor,
-                 dfs: torch.Tensor, budget: list[int], min_score: float) -> list[tuple[list[int], list[int], list]]:
-    """Medusa's draft trees from its heads' logits, in one call (layer_ops.c: medusa_trees).
-    logits: [heads * B, n] float32 (unit stride along a row; row k * B + b: head k, request b);
-    each head's `width` best tokens per request (through d2t [n] int64, when given); plan: [P, 3]
-    int64 contiguous rank paths, shorter first, as (head, rank, prefix path or -1); dfs: [P]
-    int64 path indices depth first; budget: B ints. -> per request (tokens, parents, scores) of
-    its tree, depth first (empty lists: no node)."""
-    assert logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype == torch.float32
-    assert plan.dtype == dfs.dtype == torch.int64 and plan.is_contiguous() and dfs.is_contiguous()
-    assert d2t is None or (d2t.dtype == torch.int64 and d2t.is_contiguous() and len(d2t) == logits.shape[1])
-    assert logits.shape[0] % heads == 0, "medusa_trees: rows are heads x requests"
-    b, p = logits.shape[0] // heads, plan.shape[0]
-    out = torch.empty(b, 2 * p + 1, dtype=torch.int64)
-    scores = torch.empty(b, p, dtype=torch.float64)
-    budgets = (ctypes.c_int64 * b)(*budget)
-    if _kernel.lib.medusa_trees(logits.data_ptr(), heads, b, logits.shape[1], logits.stride(0), width,
-                                0 if d2t is None else d2t.data_ptr(), plan.data_ptr(), dfs.data_ptr(), p, budgets,
-                                min_score, out.data_ptr(), scores.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("medusa_trees: out of memory")
-    trees = []
-    for row, sc in zip(out.tolist(), scores.tolist()):
-        m = row[-1]
-        trees.append((row[:m], row[p:p + m], sc[:m]))
+def medusa_tree_builder(heads: int, width: int, d2t: torch.Tensor | None, plan: torch.Tensor, dfs: torch.Tensor):
+    """A callable (x, budget, min_score) that builds Medusa's draft trees from its heads'
+    logits in one call (layer_ops.c: medusa_trees); the plan is read once, here. x: rows_view of
+    [heads * B, n] logits (row k * B + b: head k, request b), whose `width` best tokens per head
+    and request (through d2t [n] int64, when given) are the candidates; plan: [P, 3] int64 rank
+    paths, shorter first, as (head, rank, prefix path or -1); dfs: [P] int64 path indices depth
+    first; budget: B ints. -> per request (tokens, parents, scores) of its tree, depth first
+    (empty lists: no node)."""
+    plan, dfs = plan.contiguous(), dfs.contiguous()
+    assert plan.dtype == dfs.dtype == torch.int64 and plan.dim() == 2 and plan.shape[1] == 3
+    assert d2t is None or (d2t.dtype == torch.int64 and d2t.is_contiguous() and not d2t.is_cuda)
+    p, build = plan.shape[0], _kernel.lib.medusa_trees
+    plan_ptr, dfs_ptr, map_ptr = plan.data_ptr(), dfs.data_ptr(), 0 if d2t is None else d2t.data_ptr()
+    n_map = -1 if d2t is None else len(d2t)
+
+    def trees(x: tuple[int, int, int, int], budget: list[int], min_score: float) -> list[tuple[list, list, list]]:
+        ptr, rows, n, row_stride = x
+        b = len(budget)
+        if rows != heads * b or width > n or n_map not in (-1, n):
+            raise ValueError(f"medusa_trees: {rows} rows of {n} for {heads} heads x {b} requests, "
+                             f"top-{width}" + (f", a map of {n_map} ids" if n_map >= 0 else ""))
+        out, scores = (ctypes.c_int64 * (b * (2 * p + 1)))(), (ctypes.c_double * (b * p))()
+        if build(ptr, heads, b, n, row_stride, width, map_ptr, plan_ptr, dfs_ptr, p, (ctypes.c_int64 * b)(*budget),
+                 min_score, out, scores, torch.get_num_threads()):
+            raise MemoryError("medusa_trees: out of memory")
+        got, sc, result = out[:], scores[:], []
+        for j in range(b):
+            row = j * (2 * p + 1)
+            m = got[row + 2 * p]
+            result.append((got[row:row + m], got[row + p:row + p + m], sc[j * p:j * p + m]))
+        return result
+
+    trees.inputs = (plan, dfs, d2t)  # alive as long as the callable: the kernel reads their memory
     return trees

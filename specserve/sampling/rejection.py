@@ -52,7 +52,7 @@ import torch
 
 from specserve.host import int_tensor
 from specserve.kernels import layer_ops
-from specserve.sampling.sampler import (SamplingBatch, TokenCounts, apply_penalties, c_rows, exponential_noise,
+from specserve.sampling.sampler import (SamplingBatch, TokenCounts, apply_penalties, exponential_noise,
                                         processed_probs, row_argmax, row_counts, uniform_at)
 
 
@@ -163,8 +163,9 @@ def verify_trees(target: torch.Tensor, exact: torch.Tensor | None, seeds: torch.
     (it keys the noise); coupled: (rows [Rc], their seeds [Rc]) of the coupled (seeded sampled)
     requests, whose token is plain sampling's draw instead of the argmax. An all-greedy step
     (all_exact, no coupled rows) needs only target."""
-    if all_exact and coupled is None and c_rows(target):  # greedy: one C call, the path's rows alone
-        accepted, final = layer_ops.greedy_walk(target, trees.root_row, [(t, p) for t, p, _ in trees.trees])
+    if all_exact and coupled is None and (view := layer_ops.rows_view(target)) is not None:
+        # greedy: one C call, the path's rows alone
+        accepted, final = layer_ops.greedy_walk(view, trees.root_row, [(t, p) for t, p, _ in trees.trees])
         return TreeVerdict(accepted, final)
     best = row_argmax(target)  # [R]: the one token of each exact row
     if coupled is not None:

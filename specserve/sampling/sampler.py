@@ -184,8 +184,7 @@ def processed_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 def c_rows(x: torch.Tensor) -> bool:
     """Whether our C kernels (specserve.kernels.layer_ops) can read x's rows: [N, V] float32 on
     an x86 CPU, unit stride along a row."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
-            and layer_ops.available())
+    return layer_ops.rows_view(x) is not None
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -208,6 +207,17 @@ def top_logprobs(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None) 
         return layer_ops.top_logprobs(logits, k, d2t)
     val, idx = logits.log_softmax(-1).topk(k, -1)
     return val, (d2t[idx] if d2t is not None else idx)
+
+
+def top_logprob_lists(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None) -> tuple[list[float], list[int]]:
+    """top_logprobs as flat host lists, row after row ([N * k] each): what drafting reads on the
+    host. On an x86 CPU one C call that makes and reads no tensor (d2t then int64 contiguous);
+    elsewhere top_logprobs and one transfer each."""
+    view = layer_ops.rows_view(logits)
+    if view is not None:
+        return layer_ops.top_logprob_lists(view, k, 0 if d2t is None else d2t.data_ptr())
+    val, idx = top_logprobs(logits, k, d2t)
+    return val.flatten().tolist(), idx.flatten().tolist()
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

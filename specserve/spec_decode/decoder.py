@@ -199,8 +199,8 @@ class SpecDecoder:
                 sizes.append(len(committed))
             ids.append(req.request_id)
             off += n
-        hidden = step.all_hidden
-        if len(index) < len(hidden):  # drafts not accepted, or rows of requests not shown
+        hidden = step.all_hidden  # [off, hidden]: every row of the step
+        if len(index) < off:  # drafts not accepted, or rows of requests not shown
             # index is increasing: a run of rows (first-choice paths accepted) is a view
             first = index[0]  # (every scheduled request commits at least one token)
             hidden = (hidden[first:first + len(index)] if index[-1] - first == len(index) - 1

@@ -37,7 +37,7 @@ import torch
 
 from specserve.config import DEFAULT_DRAFTS
 from specserve.host import int_tensor
-from specserve.sampling import top_logprobs
+from specserve.sampling import top_logprob_lists
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, preorder
 from specserve.spec_decode.eagle_head import DraftPass, HeadKV, Segment
 from specserve.spec_decode.quant import draft_linear, draft_lm_head, f32_kernel_for
@@ -90,6 +90,7 @@ class EagleProposer:
             raise ValueError("speculative_config: num_speculative_tokens, depth and topk must be >= 1")
         param = target_model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
+        self.on_cpu = self.device.type == "cpu"
         head, d2t, embed = load_eagle(head_dir or DEFAULT_EAGLE_DIR, target_model.arch, max_positions)
         self.head = head.to(self.device, self.dtype)
         self.head.rotary.float()
@@ -105,7 +106,7 @@ class EagleProposer:
     def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
         """Target features of positions start .. start + n - 1 (the next n rows of hidden);
         anything cached at or past `start` is dropped first (rollback, recompute)."""
-        rows, end = hidden.to(self.dtype).unbind(0), 0
+        rows, end = (hidden if hidden.dtype is self.dtype else hidden.to(self.dtype)).unbind(0), 0
         for rid, start, n in zip(request_ids, starts, sizes):
             c = self.cache.get(rid)
             if c is None or not c.base + c.dropped <= start <= c.base + len(c.feats):
@@ -124,10 +125,11 @@ class EagleProposer:
         self.cache.pop(request_id, None)
 
     # -- drafting ---------------------------------------------------------------------------------
-    def _pass(self, feats: torch.Tensor, index: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """One head pass over the rows of several requests: feats [N, hidden], index [>= 2, N]
-        (token ids, positions) -> outputs [N, hidden]."""
-        return self.draft(feats, self.embed.index_select(0, index[0]), index[1], segments)
+    def _pass(self, feats: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+              segments: list[Segment]) -> torch.Tensor:
+        """One head pass over the rows of several requests: feats [N, hidden], ids and positions
+        [N] -> outputs [N, hidden]."""
+        return self.draft(feats, self.embed.index_select(0, ids), positions, segments)
 
     def _catch_up(self, caches: list[_HeadCache], token_ids: list[list[int]]) -> None:
         """Run the head over every committed pair up to the last token of each request, in one
@@ -149,7 +151,8 @@ class EagleProposer:
                                        range(c.base + p, c.base + n), [Segment(c.kv, p, n - p, None)])):
                 acc.extend(new)
         if todo:
-            out = self._pass(torch.stack(rows[0]), int_tensor([rows[1], rows[2]], self.device), rows[3])
+            ids, positions = int_tensor([rows[1], rows[2]], self.device).unbind()  # one tensor call, not two
+            out = self._pass(torch.stack(rows[0]), ids, positions, rows[3])
             end = -1
             for (c, n), seg in zip(todo, rows[3]):
                 end += seg.rows
@@ -195,9 +198,10 @@ class EagleProposer:
                     g.out_row[i] = len(ids)
                     ids.append(g.tokens[i])
                     positions.append(g.position + d - 1)
-                segments.append(Segment(g.cache.kv, past + num, f, torch.from_numpy(mask).to(self.device)))
-            index = int_tensor([ids, positions, src], self.device)
-            out = self._pass(out.index_select(0, index[2]), index, segments)
+                mask = torch.from_numpy(mask)
+                segments.append(Segment(g.cache.kv, past + num, f, mask if self.on_cpu else mask.to(self.device)))
+            ids_t, positions_t, src_t = int_tensor([ids, positions, src], self.device).unbind()
+            out = self._pass(out.index_select(0, src_t), ids_t, positions_t, segments)
             self._add_children([g for _, g in active], [g.frontier for _, g in active], out, min_score)
 
     def _add_children(self, grow, parents: list[list[int]], outs: torch.Tensor, min_score: float) -> None:
@@ -205,16 +209,15 @@ class EagleProposer:
         log q(child); each request's next frontier is its k best new nodes worth expanding.
         outs: [sum of parents, hidden], the parents' head outputs in order."""
         k = self.topk
-        top, ix = top_logprobs(self._lm_head(outs), k, self.d2t)  # [P, k] draft log q, target ids
-        lp_l, tok_l = top.tolist(), ix.tolist()  # one sync
+        lp_l, tok_l = top_logprob_lists(self._lm_head(outs), k, self.d2t)  # [P * k] draft log q, target ids
         at = 0
         for g, ps in zip(grow, parents):
             start = len(g.tokens)
             for parent in ps:
                 base = g.scores[parent] if parent >= 0 else 0.0
-                g.tokens += tok_l[at]
-                g.scores += [base + lp for lp in lp_l[at]]
-                at += 1
+                g.tokens += tok_l[at:at + k]
+                g.scores += [base + lp for lp in lp_l[at:at + k]]
+                at += k
             new = len(g.tokens) - start
             g.parents += [p for p in ps for _ in range(k)]
             g.out_row += [-1] * new

@@ -15,7 +15,7 @@ from torch import nn
 
 from specserve.config import DEFAULT_DRAFTS
 from specserve.kernels import layer_ops
-from specserve.sampling import c_rows, top_logprobs
+from specserve.sampling import top_logprobs
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.quant import draft_lm_head, f32_kernel_for
 
@@ -128,9 +128,10 @@ class MedusaProposer:
         paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.plan, self.dfs = medusa_plan(paths)
         self.width = 1 + max(rank for _, rank, _ in self.plan)  # top-k each head needs
-        self._plan, self._dfs = torch.tensor(self.plan, dtype=torch.int64), torch.tensor(self.dfs, dtype=torch.int64)
+        self._c_trees = (layer_ops.medusa_tree_builder(heads.num_heads, self.width, self.d2t, torch.tensor(self.plan),
+                                                       torch.tensor(self.dfs)) if layer_ops.available() else None)
         self.m = num_speculative_tokens
-        self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature)
+        self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature [1, hidden])
 
     def trees(self, top_lp: list, top: list, budgets: list[int], min_score: float) -> list[tuple]:
         """Each request's tree (tokens, parents, scores) from the heads' top-k, top_lp and top
@@ -161,11 +162,11 @@ class MedusaProposer:
         return trees
 
     def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
-        end = 0
+        end, hidden = 0, hidden if hidden.dtype is self.dtype else hidden.to(self.dtype)
         for rid, start, n in zip(request_ids, starts, sizes):
             end += n
-            if n:
-                self.last[rid] = (start + n - 1, hidden[end - 1])
+            if n:  # (one row alone: hidden itself, no view to make)
+                self.last[rid] = (start + n - 1, hidden if end == 1 == len(sizes) else hidden[end - 1:end])
 
     def free(self, request_id: str) -> None:
         self.last.pop(request_id, None)
@@ -177,13 +178,13 @@ class MedusaProposer:
                  if self.last.get(rid, (-1,))[0] == len(toks) - 2]
         if not ready:
             return out
-        feats = torch.stack([self.last[batch.request_ids[j]][1] for j in ready]).to(self.dtype)
+        feats = [self.last[batch.request_ids[j]][1] for j in ready]  # [1, hidden] each, in self.dtype
+        feats = feats[0] if len(feats) == 1 else torch.cat(feats)
         logits = self.heads.logits(feats, self.lm_head)  # [K, B, V']
-        logits = logits.reshape(-1, logits.shape[-1]).float()
+        logits = logits.flatten(0, 1)
         budgets = [min(self.m, batch.max_drafts[j]) for j in ready]
-        if c_rows(logits):  # top-k and trees in one C call for the batch
-            trees = layer_ops.medusa_trees(logits, self.heads.num_heads, self.width, self.d2t, self._plan, self._dfs,
-                                           budgets, batch.min_score)
+        if self._c_trees is not None and (view := layer_ops.rows_view(logits)) is not None:
+            trees = self._c_trees(view, budgets, batch.min_score)  # top-k and trees in one C call for the batch
         else:
             top_lp, top = top_logprobs(logits, self.width, self.d2t)
             shape = (self.heads.num_heads, len(ready), self.width)  # one transfer each

@@ -46,7 +46,7 @@ def draft_lm_head(heads: nn.Module | None, weight: torch.Tensor, d2t: torch.Tens
     nn.Linear of heads (in place; None: no other layers) in int8. Returns (the LM head, a
     callable [rows, hidden] -> [rows, N]; d2t on the weight's device or None)."""
     if d2t is not None:
-        d2t = d2t.to(weight.device)
+        d2t = d2t.to(weight.device, torch.int64).contiguous()  # (the C top-k reads it as such)
         weight = weight.index_select(0, d2t)
     if quantize and heads is not None:
         quantize_linears(heads)

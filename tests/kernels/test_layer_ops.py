@@ -68,6 +68,24 @@ def test_top_logprobs_is_log_softmax_topk(shape, k):
     assert val[0, 0] == 0.0 and (val[0, 1:] == -torch.inf).all()
 
 
+def test_rows_view_says_what_the_kernels_can_read_and_top_logprob_lists_is_top_logprobs():
+    from specserve.sampling import top_logprob_lists
+
+    g = torch.Generator().manual_seed(3)
+    x = (4 * torch.randn(5, 300, generator=g))[:, 7:290]  # a row stride past the row
+    ptr, rows, n, stride = layer_ops.rows_view(x)
+    assert (ptr, rows, n, stride) == (x.data_ptr(), 5, 283, 300)
+    for other in (x.double(), x.t(), x[None], x.bfloat16()):
+        assert layer_ops.rows_view(other) is None
+    d2t = torch.randperm(1000, generator=g)[:283]
+    for ids in (None, d2t):
+        val, idx = layer_ops.top_logprobs(x, 3, ids)
+        assert top_logprob_lists(x, 3, ids) == (val.flatten().tolist(), idx.flatten().tolist())
+        # elsewhere (here: float64) top_logprobs and a transfer, the same lists to ~1e-6
+        lp, tok = top_logprob_lists(x.double(), 3, ids)
+        assert tok == idx.flatten().tolist() and lp == pytest.approx(val.flatten().tolist(), abs=2e-6)
+
+
 @pytest.mark.parametrize("min_score,d2t", [(-math.inf, False), (-6.0, True), (-4.5, False)])
 def test_medusa_trees_is_the_python_walk(min_score, d2t):
     from specserve.spec_decode.medusa import DEFAULT_MEDUSA_TREE, MedusaProposer, medusa_plan, tree_from_choices
@@ -83,8 +101,8 @@ def test_medusa_trees_is_the_python_walk(min_score, d2t):
     top = ids[top] if d2t else top
     want = proposer.trees(top_lp.view(heads, b, width).tolist(), top.view(heads, b, width).tolist(), budgets,
                           min_score)
-    got = layer_ops.medusa_trees(logits, heads, width, ids, torch.tensor(proposer.plan), torch.tensor(proposer.dfs),
-                                 budgets, min_score)
+    build = layer_ops.medusa_tree_builder(heads, width, ids, torch.tensor(proposer.plan), torch.tensor(proposer.dfs))
+    got = build(layer_ops.rows_view(logits), budgets, min_score)
     assert got == want
     assert not got[2][0] and all(len(t[0]) <= n for t, n in zip(got, budgets))
     if min_score == -math.inf:
@@ -105,7 +123,7 @@ def test_greedy_verification_takes_the_walk(monkeypatch):
     assert (verdict.accepted, verdict.final) == ([[0, 2], []], [5, 1])
     assert calls == [[0, 4]]
     with pytest.raises(IndexError):  # a tree whose rows are not all in x
-        layer_ops.greedy_walk(x, [2], [([4, 3, 2], [-1, -1, 0])])
+        layer_ops.greedy_walk(layer_ops.rows_view(x), [2], [([4, 3, 2], [-1, -1, 0])])
 
 
 def test_row_argmax_takes_the_kernel(monkeypatch):
