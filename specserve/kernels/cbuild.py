@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -36,8 +39,9 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def build(source_path: Path) -> Path:
-    """The compiled library of a C source (cached by content); RuntimeError when it cannot be."""
+def build(source_path: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library of a C source (cached by content: the source, the headers and C
+    sources beside it, the flags); RuntimeError when it cannot be."""
     from specserve.model.loader import cache_root
 
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= cpu_flags():
@@ -46,15 +50,17 @@ def build(source_path: Path) -> Path:
     if not compiler:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     source = source_path.read_bytes()
-    headers = b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))  # #include "..."
-    digest = hashlib.sha256(source + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = [*FLAGS, *extra_flags]
+    included = sorted(p for p in source_path.parent.glob("*.[ch]") if p != source_path)  # #include "..."
+    digest = hashlib.sha256(source + b"".join(h.read_bytes() for h in included)
+                            + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"{source_path.stem}-{digest}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        proc = subprocess.run([compiler, *FLAGS, str(source_path), "-o", str(built)],
+        proc = subprocess.run([compiler, *flags, str(source_path), "-o", str(built)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
@@ -88,4 +94,37 @@ class Kernel:
 
     def why_unavailable(self) -> str | None:
         _ = self.lib
+        return self._error
+
+
+class Extension:
+    """A C source built as a CPython extension module (Python's headers needed) and imported on
+    first use; `module` is the module or None, `why_unavailable()` says why."""
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+        self._module = None
+        self._error: str | None = None
+
+    @property
+    def module(self):
+        if self._module is None and self._error is None:
+            try:
+                include = sysconfig.get_paths()["include"]
+                if not (Path(include) / "Python.h").is_file():
+                    raise RuntimeError(f"no Python.h in {include} (Python's development headers)")
+                path = build(self.source, (f"-I{include}",))
+                name = self.source.stem
+                spec = importlib.util.spec_from_file_location(
+                    name, path, loader=importlib.machinery.ExtensionFileLoader(name, str(path)))
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                self._module = module
+            except (ImportError, OSError, RuntimeError) as e:
+                self._error = str(e)
+                logger.info("%s unavailable: %s", self.source.name, self._error)
+        return self._module
+
+    def why_unavailable(self) -> str | None:
+        _ = self.module
         return self._error

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.kernels.cbuild import Kernel
+from specserve.kernels.cbuild import Extension, Kernel
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -36,18 +36,20 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul.restype = None
     lib.copy_slots.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64]
     lib.copy_slots.restype = ctypes.c_int
-    lib.greedy_walk.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
-    lib.greedy_walk.restype = ctypes.c_int
-    lib.medusa_trees.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_double, ptr, ptr,
-                                 ctypes.c_int]
-    lib.medusa_trees.restype = ctypes.c_int
 
 
 _kernel = Kernel(Path(__file__).with_name("layer_ops.c"), _declare)
+_host = Extension(Path(__file__).with_name("host_ops.c"))  # the step's host-facing ones (host_ops.c)
 
 
 def available() -> bool:
     return _kernel.available()
+
+
+def host_available() -> bool:
+    """Whether greedy_walk, top_logprob_lists and medusa_tree_builder can run here: the CPU's
+    kernels as a CPython extension module (host_ops.c), which needs Python's headers to build."""
+    return _kernel.available() and _host.module is not None
 
 
 def rows_view(x: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -96,25 +98,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def greedy_walk(x: tuple[int, int, int, int], roots: list[int], trees: list[tuple[list[int], list[int]]]
+def greedy_walk(x: tuple[int, int, int, int], roots: list[int], trees: list[tuple]
                 ) -> tuple[list[list[int]], list[int]]:
-    """Greedy verification (layer_ops.c: greedy_walk). x: rows_view of [rows, n] logits; request
-    b's root at row roots[b], its tree (tokens, parents) node i at row roots[b] + 1 + i. ->
-    (each request's accepted nodes from the root, the argmax after them): what following each
-    row's torch.argmax gives, reading only the rows on the way."""
-    ptr, rows, n, row_stride = x
-    b, starts, tok, par = len(roots), [0], [], []
-    for tokens, parents in trees:
-        tok += tokens
-        par += parents
-        starts.append(len(tok))
-    m = len(tok)
-    outs = (ctypes.c_int64 * (m + 2 * b))()
-    if _kernel.lib.greedy_walk(ptr, rows, n, row_stride, b, m, (ctypes.c_int64 * (2 * b + 1 + 2 * m))(
-            *roots, *starts, *tok, *par), outs, torch.get_num_threads()):
-        raise IndexError(f"greedy_walk: a tree's rows run past the {rows} rows of x")
-    got = outs[:]
-    return [got[s:s + k] for s, k in zip(starts, got[m:m + b])], got[m + b:]
+    """Greedy verification (host_ops.c, layer_ops.c: greedy_walk; needs host_available()). x:
+    rows_view of [rows, n] logits; request b's root at row roots[b], its tree (tokens, parents,
+    ...: a tuple, its first two items read) node i at row roots[b] + 1 + i. -> (each request's
+    accepted nodes from the root, the argmax after them): what following each row's
+    torch.argmax gives, reading only the rows on the way. IndexError when a tree's rows run
+    past x."""
+    return _host.module.greedy_walk(*x, roots, trees, torch.get_num_threads())
 
 
 def top_logprobs(x: torch.Tensor, k: int, d2t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,11 +128,10 @@ def top_logprob_lists(x: tuple[int, int, int, int], k: int, d2t: int = 0) -> tup
     """top_logprobs of x (a rows_view, k <= its columns) as flat host lists, row after row:
     ([rows * k] log-softmax values, [rows * k] columns through d2t, the address of an [n]
     int64 contiguous map, when not 0): drafting reads them on the host, and this way no tensor
-    is made or read."""
-    ptr, rows, n, row_stride = x
-    val, idx = (ctypes.c_float * (rows * k))(), (ctypes.c_int64 * (rows * k))()
-    _kernel.lib.top_logprobs(ptr, rows, n, row_stride, k, d2t, val, idx, torch.get_num_threads())
-    return val[:], idx[:]
+    is made or read (host_ops.c; needs host_available())."""
+    if not 1 <= k <= x[2]:
+        raise ValueError(f"top_logprob_lists: k={k} of {x[2]} columns")
+    return _host.module.top_logprob_lists(*x, k, d2t, torch.get_num_threads())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -180,16 +171,16 @@ def slot_mover(k_cache: torch.Tensor, v_cache: torch.Tensor):
 
 def medusa_tree_builder(heads: int, width: int, d2t: torch.Tensor | None, plan: torch.Tensor, dfs: torch.Tensor):
     """A callable (x, budget, min_score) that builds Medusa's draft trees from its heads'
-    logits in one call (layer_ops.c: medusa_trees); the plan is read once, here. x: rows_view of
-    [heads * B, n] logits (row k * B + b: head k, request b), whose `width` best tokens per head
-    and request (through d2t [n] int64, when given) are the candidates; plan: [P, 3] int64 rank
-    paths, shorter first, as (head, rank, prefix path or -1); dfs: [P] int64 path indices depth
-    first; budget: B ints. -> per request (tokens, parents, scores) of its tree, depth first
-    (empty lists: no node)."""
+    logits in one call (host_ops.c, layer_ops.c: medusa_trees; needs host_available()); the
+    plan is read once, here. x: rows_view of [heads * B, n] logits (row k * B + b: head k,
+    request b), whose `width` best tokens per head and request (through d2t [n] int64, when
+    given) are the candidates; plan: [P, 3] int64 rank paths, shorter first, as (head, rank,
+    prefix path or -1); dfs: [P] int64 path indices depth first; budget: B ints. -> per
+    request (tokens, parents, scores) of its tree, depth first (empty lists: no node)."""
     plan, dfs = plan.contiguous(), dfs.contiguous()
     assert plan.dtype == dfs.dtype == torch.int64 and plan.dim() == 2 and plan.shape[1] == 3
     assert d2t is None or (d2t.dtype == torch.int64 and d2t.is_contiguous() and not d2t.is_cuda)
-    p, build = plan.shape[0], _kernel.lib.medusa_trees
+    p, build = plan.shape[0], _host.module.medusa_trees
     plan_ptr, dfs_ptr, map_ptr = plan.data_ptr(), dfs.data_ptr(), 0 if d2t is None else d2t.data_ptr()
     n_map = -1 if d2t is None else len(d2t)
 
@@ -199,16 +190,8 @@ def medusa_tree_builder(heads: int, width: int, d2t: torch.Tensor | None, plan: 
         if rows != heads * b or width > n or n_map not in (-1, n):
             raise ValueError(f"medusa_trees: {rows} rows of {n} for {heads} heads x {b} requests, "
                              f"top-{width}" + (f", a map of {n_map} ids" if n_map >= 0 else ""))
-        out, scores = (ctypes.c_int64 * (b * (2 * p + 1)))(), (ctypes.c_double * (b * p))()
-        if build(ptr, heads, b, n, row_stride, width, map_ptr, plan_ptr, dfs_ptr, p, (ctypes.c_int64 * b)(*budget),
-                 min_score, out, scores, torch.get_num_threads()):
-            raise MemoryError("medusa_trees: out of memory")
-        got, sc, result = out[:], scores[:], []
-        for j in range(b):
-            row = j * (2 * p + 1)
-            m = got[row + 2 * p]
-            result.append((got[row:row + m], got[row + p:row + p + m], sc[j * p:j * p + m]))
-        return result
+        return build(ptr, heads, b, n, row_stride, width, map_ptr, plan_ptr, dfs_ptr, p, budget, float(min_score),
+                     torch.get_num_threads())
 
     trees.inputs = (plan, dfs, d2t)  # alive as long as the callable: the kernel reads their memory
     return trees

@@ -163,10 +163,9 @@ def verify_trees(target: torch.Tensor, exact: torch.Tensor | None, seeds: torch.
     (it keys the noise); coupled: (rows [Rc], their seeds [Rc]) of the coupled (seeded sampled)
     requests, whose token is plain sampling's draw instead of the argmax. An all-greedy step
     (all_exact, no coupled rows) needs only target."""
-    if all_exact and coupled is None and (view := layer_ops.rows_view(target)) is not None:
+    if all_exact and coupled is None and layer_ops.host_available() and (view := layer_ops.rows_view(target)):
         # greedy: one C call, the path's rows alone
-        accepted, final = layer_ops.greedy_walk(view, trees.root_row, [(t, p) for t, p, _ in trees.trees])
-        return TreeVerdict(accepted, final)
+        return TreeVerdict(*layer_ops.greedy_walk(view, trees.root_row, trees.trees))
     best = row_argmax(target)  # [R]: the one token of each exact row
     if coupled is not None:
         rows, row_seeds = coupled

@@ -213,7 +213,7 @@ def top_logprob_lists(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = N
     """top_logprobs as flat host lists, row after row ([N * k] each): what drafting reads on the
     host. On an x86 CPU one C call that makes and reads no tensor (d2t then int64 contiguous);
     elsewhere top_logprobs and one transfer each."""
-    view = layer_ops.rows_view(logits)
+    view = layer_ops.rows_view(logits) if layer_ops.host_available() else None
     if view is not None:
         return layer_ops.top_logprob_lists(view, k, 0 if d2t is None else d2t.data_ptr())
     val, idx = top_logprobs(logits, k, d2t)

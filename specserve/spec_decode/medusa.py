@@ -129,7 +129,7 @@ class MedusaProposer:
         self.plan, self.dfs = medusa_plan(paths)
         self.width = 1 + max(rank for _, rank, _ in self.plan)  # top-k each head needs
         self._c_trees = (layer_ops.medusa_tree_builder(heads.num_heads, self.width, self.d2t, torch.tensor(self.plan),
-                                                       torch.tensor(self.dfs)) if layer_ops.available() else None)
+                                                       torch.tensor(self.dfs)) if layer_ops.host_available() else None)
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature [1, hidden])
 

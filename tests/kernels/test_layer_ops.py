@@ -126,6 +126,30 @@ def test_greedy_verification_takes_the_walk(monkeypatch):
         layer_ops.greedy_walk(layer_ops.rows_view(x), [2], [([4, 3, 2], [-1, -1, 0])])
 
 
+def test_the_host_calls_check_their_lists_and_verification_runs_without_them(monkeypatch, tmp_path):
+    from specserve.kernels.cbuild import Extension
+    from specserve.sampling import FlatTrees, verify_trees
+
+    assert layer_ops.host_available()
+    x = torch.zeros(1 + 3 + 1, 6)
+    x[0, 4] = x[1, 2] = x[3, 5] = x[4, 1] = 1.0
+    view = layer_ops.rows_view(x)
+    for roots, trees, error in (([0], [([4, "a"], [-1, -1])], TypeError), ([0, 4], [([4], [-1])], ValueError),
+                                ([0], [([4, 3], [-1])], ValueError), ([0], [[4, 3]], TypeError)):
+        with pytest.raises(error):
+            layer_ops.greedy_walk(view, roots, trees)
+    trees = FlatTrees([0, 4], [([4, 3, 2], [-1, -1, 0], None), ([], [], None)], 6, "cpu")
+    want = verify_trees(x, None, None, None, trees, True)
+    monkeypatch.setattr(layer_ops, "host_available", lambda: False)  # no Python headers: PyTorch's argmax
+    got = verify_trees(x, torch.tensor([True, True]), torch.tensor([0, 0]), torch.zeros(5, dtype=torch.int64),
+                       trees, True)
+    assert (got.accepted, got.final) == (want.accepted, want.final) == ([[0, 2], []], [5, 1])
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C")
+    ext = Extension(broken)
+    assert ext.module is None and "failed" in ext.why_unavailable()
+
+
 def test_row_argmax_takes_the_kernel(monkeypatch):
     from specserve.sampling import row_argmax
 
