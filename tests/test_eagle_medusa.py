@@ -495,3 +495,64 @@ def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
     lm = runner.model.lm_head.weight
     assert chain.tokens == [int((outs[j][0, n - 1 + j] @ lm.T).argmax()) for j in range(3)]
     kv.free(req)
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_eagle_children_in_one_c_call_are_the_python_loop(with_map):
+    """EAGLE's children of a pass (top-k per parent, scores, the next frontier: the k best new
+    nodes, the earlier on ties, above the score cut) come the same from the C call as from the
+    Python loop it replaces off the CPU, over two passes, ties included."""
+    from specserve.spec_decode.eagle import _Growing
+
+    g = torch.Generator().manual_seed(5)
+    prop = EagleProposer.__new__(EagleProposer)  # what _add_children reads, alone
+    prop.topk, prop._lm_head = 3, lambda x: x
+    prop.d2t = torch.randperm(5000, generator=g)[:300] if with_map else None
+    prop._d2t_ptr = 0 if prop.d2t is None else prop.d2t.data_ptr()
+    roots, later = 3 * torch.randn(3, 300, generator=g), 3 * torch.randn(9, 300, generator=g)
+    roots[1] = 0.5  # one row of ties: its children score alike
+    later[0, :4] = later[0].max() + 1  # a parent whose best children tie
+    results = []
+    for in_c in (True, False):
+        prop._grow_in_c = in_c
+        grow = [_Growing(None, 10, 8) for _ in range(3)]
+        prop._add_children(grow, [[-1]] * 3, roots, -7.0)
+        parents = [list(t.frontier) for t in grow]
+        prop._add_children(grow, parents, later[:sum(map(len, parents))], -4.0)
+        results.append([(t.tokens, t.scores, t.parents, t.out_row, t.rows, t.frontier) for t in grow])
+    assert results[0] == results[1]
+    assert any(len(t[5]) < 3 for t in results[0]) and any(len(t[5]) == 3 for t in results[0])  # the cut took some
+    with pytest.raises(ValueError):  # a row per parent
+        layer_ops.eagle_children(layer_ops.rows_view(roots), 3, 0, -7.0, [_Growing(None, 10, 8)], [[-1, -1]])
+
+
+def test_eagle_next_pass_in_one_c_call_is_the_python_one():
+    """The inputs of EAGLE's next head passes (rows, positions, parents' rows, masks over the
+    committed pairs and each node's ancestors) and the trees' bookkeeping come the same from
+    the C call as from _next_pass, over three depths."""
+    from types import SimpleNamespace
+
+    from specserve.spec_decode.eagle import _Growing
+
+    g = torch.Generator().manual_seed(7)
+    prop = EagleProposer.__new__(EagleProposer)
+    prop.topk, prop._lm_head, prop.d2t, prop._d2t_ptr, prop.device = 2, (lambda x: x), None, 0, "cpu"
+    logits = [3 * torch.randn(8, 50, generator=g) for _ in range(4)]
+    runs = []
+    for in_c in (True, False):
+        prop._grow_in_c = in_c
+        grow = [_Growing(SimpleNamespace(pairs=p, kv=None), 20 + p, 8) for p in (5, 0, 3)]
+        prop._add_children(grow, [[-1]] * 3, logits[0][:3], -3.0)
+        passes = []
+        for d in range(1, 4):
+            step = layer_ops.eagle_next_pass(grow, d) if in_c else prop._next_pass(grow, d)
+            if step is None:
+                break
+            active, ids, positions, src, masks = step
+            passes.append((active, ids.tolist(), positions.tolist(), src.tolist(),
+                           [(m.tolist(), past, f) for m, past, f in masks]))
+            prop._add_children([grow[b] for b in active], [grow[b].frontier for b in active],
+                               logits[d][:len(ids)], -3.0)
+        runs.append((passes, [(t.tokens, t.parents, t.rows, t.out_row, t.expanded, t.frontier) for t in grow]))
+    assert runs[0] == runs[1]
+    assert len(runs[0][0]) >= 2 and any(len(p[0]) < 3 for p in runs[0][0])  # deeper passes, some trees done

@@ -1,10 +1,15 @@
-"""Our C kernels for x86 CPUs (AVX2/FMA): compiled once, loaded through ctypes.
+"""Our C kernels for x86 CPUs (AVX2/FMA): compiled once, loaded through ctypes or imported
+as CPython extension modules.
 
 A source is compiled with the system's C compiler (gcc or cc, `-O3 -mavx2 -mfma -fopenmp`)
-into `$SPECSERVE_CACHE_DIR/kernels/`, keyed by the source's hash, and called through ctypes,
-which releases the GIL. The libraries share torch's OpenMP runtime (same soname) and use
-torch's thread count. `Kernel(source, declare).lib` is the loaded library or None, and
-`why_unavailable()` says why: no AVX2/FMA, no compiler, or the build failed.
+into `$SPECSERVE_CACHE_DIR/kernels/`, keyed by the hash of the source and of the C sources and
+headers beside it, and called through ctypes, which releases the GIL. The libraries share
+torch's OpenMP runtime (same soname) and use torch's thread count. `Kernel(source,
+declare).lib` is the loaded library or None, and `why_unavailable()` says why: no AVX2/FMA,
+no compiler, or the build failed. `Extension(source).module` builds a source as an extension
+module with Python's headers and imports it (its functions release the GIL themselves): what
+a step calls between its forwards takes and returns Python lists that way, where ctypes would
+spend more on converting them than the kernel on its work.
 """
 
 from __future__ import annotations

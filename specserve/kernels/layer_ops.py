@@ -8,8 +8,11 @@ PyTorch's) and normalises each row with its own fixed summation order (batch-inv
 PyTorch's bits); `rotary_` computes exactly PyTorch's rotate-half expression (the same bits);
 `silu_mul` is the MLP's silu(gate) * up (to ~1e-7); `argmax` gives exactly torch.argmax's
 indices, in a fraction of its time over a vocabulary; `copy_slots` moves KV cache slots in every
-layer at once. Built and loaded by
-specserve.kernels.cbuild; `available()` says whether they can run here.
+layer at once. Built and loaded by specserve.kernels.cbuild; `available()` says whether they
+can run here. What a speculative step calls between its forwards (greedy verification,
+drafting's top-k, Medusa's trees) goes through host_ops.c, the same C as an extension module
+that reads and returns Python lists (`host_available()`); such a call takes a tensor's
+geometry from `rows_view`, once.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def available() -> bool:
 
 
 def host_available() -> bool:
-    """Whether greedy_walk, top_logprob_lists and medusa_tree_builder can run here: the CPU's
+    """Whether greedy_walk, top_logprob_lists, medusa_tree_builder and EAGLE's eagle_children and
+    eagle_next_pass can run here: the CPU's
     kernels as a CPython extension module (host_ops.c), which needs Python's headers to build."""
     return _kernel.available() and _host.module is not None
 
@@ -132,6 +136,33 @@ def top_logprob_lists(x: tuple[int, int, int, int], k: int, d2t: int = 0) -> tup
     if not 1 <= k <= x[2]:
         raise ValueError(f"top_logprob_lists: k={k} of {x[2]} columns")
     return _host.module.top_logprob_lists(*x, k, d2t, torch.get_num_threads())
+
+
+def eagle_children(x: tuple[int, int, int, int], k: int, d2t: int, min_score: float, grow: list,
+                   parents: list[list[int]]) -> None:
+    """EAGLE's children of one head pass in one call (host_ops.c; needs host_available()): what
+    specserve.spec_decode.eagle's _add_children does in Python, to the same lists. x: rows_view
+    of the pass's draft logits, one row per parent, request after request; grow: the growing
+    trees (objects with lists tokens, scores, parents, out_row, rows); parents: each one's
+    parent nodes (-1: its root). Each parent gets its k best tokens (through d2t, the address of
+    an [n] int64 map, or 0) scoring the parent's score + log q; each tree's `frontier` becomes
+    its k best new nodes (ties: the earlier) scoring at least min_score."""
+    _host.module.eagle_children(*x, k, d2t, torch.get_num_threads(), float(min_score), grow, parents)
+
+
+def eagle_next_pass(grow: list, depth: int):
+    """The inputs of EAGLE's next head pass in one call (host_ops.c; needs host_available()):
+    what specserve.spec_decode.eagle's _next_pass builds in Python, the same tensors and the
+    same updates of the growing trees. -> (the index in grow of each tree in the pass, token ids
+    [N], positions [N], each row's parent's row in the last pass's output [N], per tree
+    (mask [f, past + f] bool, past, f)), or None when no tree has a frontier."""
+    got = _host.module.eagle_next_pass(grow, depth)
+    if got is None:
+        return None
+    active, index, segments = got
+    ids, positions, src = torch.frombuffer(index, dtype=torch.int64).view(3, -1).unbind()
+    return active, ids, positions, src, [(torch.frombuffer(m, dtype=torch.bool).view(f, -1), past, f)
+                                         for m, past, f in segments]
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
