@@ -52,6 +52,7 @@ class SpecDecoder:
         self._step: tuple[bool, int, int] = (False, 0, 0)  # decode only, requests, tokens emitted
         self.log = SpecLog()  # acceptance every few seconds while drafting
         self.grammars: Grammars | None = None  # set by the engine at the first structured request
+        self._trees: tuple[SchedulerOutput, list[DraftTree]] | None = None  # this step's, see _scheduled_trees
 
     def _state(self, req: Request) -> RequestState:
         state = self.states.get(req.request_id)
@@ -80,18 +81,23 @@ class SpecDecoder:
             return NO_DRAFTS
         return self.states[req.request_id].tree.prefix(k)
 
+    def _scheduled_trees(self, sched: SchedulerOutput) -> list[DraftTree]:
+        """Every scheduled request's drafts (`_scheduled`), made once per step."""
+        if self._trees is None or self._trees[0] is not sched:
+            self._trees = (sched, [self._scheduled(r, k) for r, k in zip(sched.requests, sched.num_drafts)])
+        return self._trees[1]
+
     def tree_parents(self, sched: SchedulerOutput) -> list[list[int] | None] | None:
-        out = []
-        for req, k in zip(sched.requests, sched.num_drafts):
-            tree = self._scheduled(req, k)
-            out.append(None if tree.is_chain else [-1] + [p + 1 for p in tree.parents])
+        out = [None if tree.is_chain else [-1] + [p + 1 for p in tree.parents] for tree in self._scheduled_trees(sched)]
         return out if any(p is not None for p in out) else None
 
     # -- sampling and verification ---------------------------------------------------------------
     def sample_and_verify(self, sched: SchedulerOutput, step: StepLogits) -> list[StepResult]:
         live = [i for i, s in enumerate(step.row_start) if s >= 0]
         reqs = [sched.requests[i] for i in live]
-        trees = [self._scheduled(r, sched.num_drafts[i]) for r, i in zip(reqs, live)]
+        scheduled = self._scheduled_trees(sched)
+        trees = [scheduled[i] for i in live]
+        self._trees = None  # (the states move on below)
         results: list[StepResult] = [None] * len(sched.requests)
         verdict = None
         if reqs:
