@@ -318,6 +318,8 @@ def test_the_head_lets_go_of_the_features_it_has_run(tmp_path):
         cache = engine.spec.proposer.cache.get("r")
         if cache is not None:
             held.append((len(cache.feats), sum(f is not None for f in cache.feats)))
+            # drafting runs in no grad-mode context: nothing it keeps may carry a graph
+            assert cache.last_out is None or not (cache.last_out.requires_grad or cache.last_out.grad_fn)
     assert out == ref[0]
     assert held[-1][0] > 60 and max(live for _, live in held[2:]) <= 2 + 4 + 1  # 1 + drafts + the rerun one
 
@@ -410,6 +412,7 @@ def test_medusa_trees_come_depth_first_and_a_budget_keeps_the_shorter_paths(tmp_
         # the full tree's node j is the plan's path prop.dfs[j]: the cut keeps the plan's first ones
         want = {(t, s) for j, (t, s) in enumerate(zip(full.tokens, full.scores)) if prop.dfs[j] < budget}
         assert set(zip(cut.tokens, cut.scores)) == want
+    assert torch.is_grad_enabled() and not any(p.requires_grad for p in prop.heads.parameters())  # no graph
     in_c = [prop.propose(propose_batch([req], budget))[0] for budget in (4, 64)]
     monkeypatch.setattr(prop, "_c_trees", None)
     in_python = [prop.propose(propose_batch([req], budget))[0] for budget in (4, 64)]

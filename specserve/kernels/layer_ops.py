@@ -50,10 +50,16 @@ def available() -> bool:
 
 
 def host_available() -> bool:
-    """Whether greedy_walk, top_logprob_lists, medusa_tree_builder and EAGLE's eagle_children and
-    eagle_next_pass can run here: the CPU's
-    kernels as a CPython extension module (host_ops.c), which needs Python's headers to build."""
-    return _kernel.available() and _host.module is not None
+    """Whether greedy_walk, top_logprob_lists, medusa_tree_builder, eagle_children and
+    eagle_next_pass can run here: the CPU's kernels as a CPython extension module (host_ops.c),
+    which needs Python's headers to build. (Asked every step: the answer is kept.)"""
+    global _host_ok
+    if _host_ok is None:
+        _host_ok = _kernel.available() and _host.module is not None
+    return _host_ok
+
+
+_host_ok: bool | None = None
 
 
 def rows_view(x: torch.Tensor) -> tuple[int, int, int, int] | None:

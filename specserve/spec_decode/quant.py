@@ -44,7 +44,9 @@ def draft_lm_head(heads: nn.Module | None, weight: torch.Tensor, d2t: torch.Tens
     """A draft's LM head as its proposer uses it: the target's LM head weight [V, hidden],
     restricted to the draft vocabulary d2t when there is one; with quantize, it and every
     nn.Linear of heads (in place; None: no other layers) in int8. Returns (the LM head, a
-    callable [rows, hidden] -> [rows, N]; d2t on the weight's device or None)."""
+    callable [rows, hidden] -> [rows, N]; d2t on the weight's device or None). No gradient
+    ever flows through it (proposers draft without a grad-mode context)."""
+    weight = weight.detach()
     if d2t is not None:
         d2t = d2t.to(weight.device, torch.int64).contiguous()  # (the C top-k reads it as such)
         weight = weight.index_select(0, d2t)
