@@ -540,12 +540,13 @@ def test_eagle_next_pass_in_one_c_call_is_the_python_one():
     g = torch.Generator().manual_seed(7)
     prop = EagleProposer.__new__(EagleProposer)
     prop.topk, prop._lm_head, prop.d2t, prop._d2t_ptr, prop.device = 2, (lambda x: x), None, 0, "cpu"
-    logits = [3 * torch.randn(8, 50, generator=g) for _ in range(4)]
+    pairs = [5, 0, 3] + list(range(7, 20))  # 16 requests: rows past any first guess of their number
+    logits = [3 * torch.randn(2 * len(pairs), 50, generator=g) for _ in range(4)]
     runs = []
     for in_c in (True, False):
         prop._grow_in_c = in_c
-        grow = [_Growing(SimpleNamespace(pairs=p, kv=None), 20 + p, 8) for p in (5, 0, 3)]
-        prop._add_children(grow, [[-1]] * 3, logits[0][:3], -3.0)
+        grow = [_Growing(SimpleNamespace(pairs=p, kv=None), 20 + p, 8) for p in pairs]
+        prop._add_children(grow, [[-1]] * len(pairs), logits[0][:len(pairs)], -3.0)
         passes = []
         for d in range(1, 4):
             step = layer_ops.eagle_next_pass(grow, d) if in_c else prop._next_pass(grow, d)
@@ -558,4 +559,4 @@ def test_eagle_next_pass_in_one_c_call_is_the_python_one():
                                logits[d][:len(ids)], -3.0)
         runs.append((passes, [(t.tokens, t.parents, t.rows, t.out_row, t.expanded, t.frontier) for t in grow]))
     assert runs[0] == runs[1]
-    assert len(runs[0][0]) >= 2 and any(len(p[0]) < 3 for p in runs[0][0])  # deeper passes, some trees done
+    assert len(runs[0][0]) >= 2 and any(len(p[0]) < len(pairs) for p in runs[0][0])  # deeper passes, some done

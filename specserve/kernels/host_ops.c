@@ -378,8 +378,19 @@ static PyObject *py_eagle_next_pass(PyObject *self, PyObject *const *args, Py_ss
     const Py_ssize_t B = PySequence_Fast_GET_SIZE(grow);
     PyObject *active = PyList_New(0), *segments = PyList_New(0), *result = NULL;
     int64_t *index = NULL;
-    Py_ssize_t N = 0, cap = 0;
+    Py_ssize_t N = 0, cap = 0; /* rows so far; rows in all (index: [3, cap]) */
     if (!active || !segments) goto done;
+    for (Py_ssize_t b = 0; b < B; b++) {
+        PyObject *frontier = PyObject_GetAttr(PySequence_Fast_ITEMS(grow)[b], s_frontier);
+        const Py_ssize_t f = frontier ? PyObject_Length(frontier) : -1;
+        Py_XDECREF(frontier);
+        if (f < 0) goto done;
+        cap += f;
+    }
+    if (!(index = malloc((size_t)(3 * cap + 1) * sizeof(int64_t)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t b = 0; b < B; b++) {
         PyObject *g = PySequence_Fast_ITEMS(grow)[b];
         PyObject *frontier = PyObject_GetAttr(g, s_frontier), *tokens = PyObject_GetAttr(g, s_tokens);
@@ -396,10 +407,8 @@ static PyObject *py_eagle_next_pass(PyObject *self, PyObject *const *args, Py_ss
             ok = !PyErr_Occurred() && past >= 0 && num >= 0;
             const int64_t width = past + num + f;
             if (ok && N + f > cap) {
-                cap = 2 * (N + f) + 16;
-                int64_t *grown = realloc(index, (size_t)(3 * cap) * sizeof(int64_t));
-                if (grown) index = grown;
-                else ok = 0, PyErr_NoMemory();
+                PyErr_SetString(PyExc_RuntimeError, "eagle_next_pass: a frontier changed while read");
+                ok = 0;
             }
             if (ok) ok = (mask = PyByteArray_FromStringAndSize(NULL, f * width)) != NULL;
             if (ok) {
