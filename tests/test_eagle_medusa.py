@@ -560,3 +560,18 @@ def test_eagle_next_pass_in_one_c_call_is_the_python_one():
         runs.append((passes, [(t.tokens, t.parents, t.rows, t.out_row, t.expanded, t.frontier) for t in grow]))
     assert runs[0] == runs[1]
     assert len(runs[0][0]) >= 2 and any(len(p[0]) < len(pairs) for p in runs[0][0])  # deeper passes, some done
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_trees_of_ten_requests_at_once_equal_plain_greedy(tmp_path, method):
+    """Ten requests drafting and verifying together (a step's host calls then carry dozens of
+    tree rows: EAGLE's frontier passes, Medusa's trees, the greedy walk) keep plain greedy."""
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 90 + 3 for j in range(5)]} for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = greedy_ids(tiny_llm(tmp_path), prompts, params)
+    head = write_eagle1(tmp_path / "head") if method == "eagle" else write_medusa(tmp_path / "head")
+    config = {"method": method, "model": str(head), "num_speculative_tokens": 10, "adaptive": False,
+              "quantization": "none", **({"depth": 4, "topk": 3} if method == "eagle" else {})}
+    llm = tiny_llm(tmp_path, config)
+    assert greedy_ids(llm, prompts, params) == ref
+    assert llm.engine.stats.spec_num_drafts >= 10
