@@ -274,7 +274,7 @@ def test_target_quantization_option_is_checked(monkeypatch):
     if cpu_linear.available():
         args = add_serve_args(argparse.ArgumentParser()).parse_args(["--quantization", "int8"])
         assert engine_config_from_args(args).model.quantization == "int8"
-    monkeypatch.setattr(cpu_linear._kernel, "_lib", None)
+    monkeypatch.setattr(cpu_linear._kernel, "_loaded", None)
     monkeypatch.setattr(cpu_linear._kernel, "_error", "this CPU lacks AVX2/FMA")
     with pytest.raises(ValueError, match="cannot run here .this CPU lacks AVX2/FMA"):
         EngineConfig.create(quantization="int8", device="cpu")

@@ -74,62 +74,69 @@ def build(source_path: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     return out
 
 
-class Kernel:
-    """A C source built and loaded on first use; `declare(lib)` sets its functions' types."""
-
-    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
-        self.source, self.declare = source, declare
-        self._lib: ctypes.CDLL | None = None
-        self._error: str | None = None
-
-    @property
-    def lib(self) -> ctypes.CDLL | None:
-        if self._lib is None and self._error is None:
-            try:
-                lib = ctypes.CDLL(str(build(self.source)))
-                self.declare(lib)
-                self._lib = lib
-            except (OSError, RuntimeError) as e:
-                self._error = str(e)
-                logger.info("%s unavailable: %s", self.source.name, self._error)
-        return self._lib
-
-    def available(self) -> bool:
-        return self.lib is not None
-
-    def why_unavailable(self) -> str | None:
-        _ = self.lib
-        return self._error
-
-
-class Extension:
-    """A C source built as a CPython extension module (Python's headers needed) and imported on
-    first use; `module` is the module or None, `why_unavailable()` says why."""
+class _Built:
+    """A C source built and loaded on first use (`_load(source)`), once: the loaded object, or
+    None and the reason, kept."""
 
     def __init__(self, source: Path) -> None:
         self.source = source
-        self._module = None
+        self._loaded = None
         self._error: str | None = None
 
-    @property
-    def module(self):
-        if self._module is None and self._error is None:
+    def _get(self):
+        if self._loaded is None and self._error is None:
             try:
-                include = sysconfig.get_paths()["include"]
-                if not (Path(include) / "Python.h").is_file():
-                    raise RuntimeError(f"no Python.h in {include} (Python's development headers)")
-                path = build(self.source, (f"-I{include}",))
-                name = self.source.stem
-                spec = importlib.util.spec_from_file_location(
-                    name, path, loader=importlib.machinery.ExtensionFileLoader(name, str(path)))
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                self._module = module
+                self._loaded = self._load()
             except (ImportError, OSError, RuntimeError) as e:
                 self._error = str(e)
                 logger.info("%s unavailable: %s", self.source.name, self._error)
-        return self._module
+        return self._loaded
+
+    def _load(self):
+        raise NotImplementedError
+
+    def available(self) -> bool:
+        return self._get() is not None
 
     def why_unavailable(self) -> str | None:
-        _ = self.module
+        self._get()
         return self._error
+
+
+class Kernel(_Built):
+    """A C source built and loaded through ctypes on first use; `declare(lib)` sets its
+    functions' types; `lib` is the library or None."""
+
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
+        super().__init__(source)
+        self.declare = declare
+
+    @property
+    def lib(self) -> ctypes.CDLL | None:
+        return self._get()
+
+    def _load(self) -> ctypes.CDLL:
+        lib = ctypes.CDLL(str(build(self.source)))
+        self.declare(lib)
+        return lib
+
+
+class Extension(_Built):
+    """A C source built as a CPython extension module (Python's headers needed) and imported on
+    first use; `module` is the module or None."""
+
+    @property
+    def module(self):
+        return self._get()
+
+    def _load(self):
+        include = sysconfig.get_paths()["include"]
+        if not (Path(include) / "Python.h").is_file():
+            raise RuntimeError(f"no Python.h in {include} (Python's development headers)")
+        path = build(self.source, (f"-I{include}",))
+        name = self.source.stem
+        spec = importlib.util.spec_from_file_location(name, path,
+                                                      loader=importlib.machinery.ExtensionFileLoader(name, str(path)))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module

@@ -55,7 +55,7 @@ def host_available() -> bool:
     which needs Python's headers to build. (Asked every step: the answer is kept.)"""
     global _host_ok
     if _host_ok is None:
-        _host_ok = _kernel.available() and _host.module is not None
+        _host_ok = _kernel.available() and _host.available()
     return _host_ok
 
 
