@@ -75,11 +75,11 @@ def build(source_path: Path, extra_flags: tuple[str, ...] = ()) -> Path:
 
 
 class _Built:
-    """A C source built and loaded on first use (`_load(source)`), once: the loaded object, or
-    None and the reason, kept."""
+    """A C source built and loaded on first use by `load()`, once: the loaded object, or None
+    and the reason, kept."""
 
-    def __init__(self, source: Path) -> None:
-        self.source = source
+    def __init__(self, source: Path, load: Callable[[], object]) -> None:
+        self.source, self._load = source, load
         self._loaded = None
         self._error: str | None = None
 
@@ -91,9 +91,6 @@ class _Built:
                 self._error = str(e)
                 logger.info("%s unavailable: %s", self.source.name, self._error)
         return self._loaded
-
-    def _load(self):
-        raise NotImplementedError
 
     def available(self) -> bool:
         return self._get() is not None
@@ -108,14 +105,14 @@ class Kernel(_Built):
     functions' types; `lib` is the library or None."""
 
     def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
-        super().__init__(source)
+        super().__init__(source, self._open)
         self.declare = declare
 
     @property
     def lib(self) -> ctypes.CDLL | None:
         return self._get()
 
-    def _load(self) -> ctypes.CDLL:
+    def _open(self) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(build(self.source)))
         self.declare(lib)
         return lib
@@ -125,11 +122,14 @@ class Extension(_Built):
     """A C source built as a CPython extension module (Python's headers needed) and imported on
     first use; `module` is the module or None."""
 
+    def __init__(self, source: Path) -> None:
+        super().__init__(source, self._import)
+
     @property
     def module(self):
         return self._get()
 
-    def _load(self):
+    def _import(self):
         include = sysconfig.get_paths()["include"]
         if not (Path(include) / "Python.h").is_file():
             raise RuntimeError(f"no Python.h in {include} (Python's development headers)")
