@@ -10,7 +10,7 @@ PyTorch's bits); `rotary_` computes exactly PyTorch's rotate-half expression (th
 indices, in a fraction of its time over a vocabulary; `copy_slots` moves KV cache slots in every
 layer at once. Built and loaded by specserve.kernels.cbuild; `available()` says whether they
 can run here. What a speculative step calls between its forwards (greedy verification,
-drafting's top-k, Medusa's trees) goes through host_ops.c, the same C as an extension module
+drafting's top-k, Medusa's trees, EAGLE's tree growth) goes through host_ops.c, the same C as an extension module
 that reads and returns Python lists (`host_available()`); such a call takes a tensor's
 geometry from `rows_view`, once.
 """
@@ -153,6 +153,8 @@ def eagle_children(x: tuple[int, int, int, int], k: int, d2t: int, min_score: fl
     parent nodes (-1: its root). Each parent gets its k best tokens (through d2t, the address of
     an [n] int64 map, or 0) scoring the parent's score + log q; each tree's `frontier` becomes
     its k best new nodes (ties: the earlier) scoring at least min_score."""
+    if not 1 <= k <= x[2]:
+        raise ValueError(f"eagle_children: k={k} of {x[2]} columns")
     _host.module.eagle_children(*x, k, d2t, torch.get_num_threads(), float(min_score), grow, parents)
 
 
