@@ -10,11 +10,11 @@ from torch import nn
 
 from specserve.config import SpecConfig
 from specserve.model.arch import ModelArch
-from specserve.spec_decode.eagle_head import EagleHead
+from specserve.spec_decode.eagle_head import DraftPass, EagleHead, HeadKV, Segment
 from specserve.spec_decode.medusa import MedusaHeads
 from specserve.kernels import cpu_linear
 from specserve.model.quant import Int8Linear, check_target_quantization, int8_pays, quantize_linears, quantize_rows
-from specserve.spec_decode.quant import check_quantization
+from specserve.spec_decode.quant import check_quantization, draft_linear
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,18 +98,22 @@ def _dequant(lin: Int8Linear) -> torch.Tensor:
     return q.float() * lin.kernel.scales[:, None]
 
 
-def test_quantize_linears_replaces_every_linear_of_a_head():
+def test_int8_heads_track_the_float_ones():
+    """EAGLE drafts through DraftPass with int8 products (draft_linear); Medusa's heads have
+    every nn.Linear replaced in place (quantize_linears)."""
     arch = ModelArch.from_dict({"hidden_size": 64, "intermediate_size": 128, "vocab_size": 96,
                                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2})
     eagle, medusa = EagleHead(arch), MedusaHeads(3, 1, 64, vocab=96)
-    x = torch.randn(1, 2, 64)
-    want = eagle(x, x, torch.arange(2))[0]
-    for module in (eagle, medusa):
-        quantize_linears(module)
-        assert not any(type(m) is nn.Linear for m in module.modules())
-        assert any(isinstance(m, Int8Linear) for m in module.modules())
-    assert rel_err(eagle(x, x, torch.arange(2))[0], want) < 0.02
-    assert medusa.logits(x[0], None).shape == (3, 2, 96)
+    x = torch.randn(2, 64)
+    int8 = DraftPass(eagle, lambda w, b: draft_linear(w, b, True, False))
+    assert isinstance(int8.qkv, Int8Linear)
+    with torch.no_grad():
+        want = eagle(x[None], x[None], torch.arange(2))[0][0]
+    assert rel_err(int8(x, x, torch.arange(2), [Segment(HeadKV(), 0, 2, None)]), want) < 0.02
+    quantize_linears(medusa)
+    assert not any(type(m) is nn.Linear for m in medusa.modules())
+    assert any(isinstance(m, Int8Linear) for m in medusa.modules())
+    assert medusa.logits(x, None).shape == (3, 2, 96)
 
 
 def test_quantization_option_is_checked():

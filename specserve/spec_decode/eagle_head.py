@@ -20,6 +20,7 @@ specserve.spec_decode.eagle, checkpoint files in specserve.spec_decode.heads_io.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -66,64 +67,12 @@ class Segment(NamedTuple):
     mask: torch.Tensor | None
 
 
-class HeadAttention(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        h = arch.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=arch.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv * self.head_dim, bias=arch.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv * self.head_dim, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                past_k: torch.Tensor | None, past_v: torch.Tensor | None,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, hidden]; cos/sin [T, 1, D/2] (or [B, T, 1, D/2]); past_k/v [B, P, Hkv, D];
-        mask [B or 1, T, P+T] bool or None (causal over T, P must be 0). Returns (out, k, v),
-        k rotated, [B, T, Hkv, D]."""
-        b, t = x.shape[:-1]
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv, self.head_dim)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        keys = k if past_k is None else torch.cat([past_k, k], 1)
-        values = v if past_v is None else torch.cat([past_v, v], 1)
-        group = self.num_heads // self.num_kv
-        qh = q.transpose(1, 2)  # [B, H, T, D]
-        kh = keys.transpose(1, 2).repeat_interleave(group, 1)
-        vh = values.transpose(1, 2).repeat_interleave(group, 1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None])
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k, v
-
-
-class HeadMLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class HeadLayer(nn.Module):
-    def __init__(self, arch: ModelArch, input_norm: bool) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if input_norm else None
-        self.self_attn = HeadAttention(arch)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = HeadMLP(arch)
-
-    def forward(self, x, cos, sin, past_k, past_v, mask):
-        a_in = x if self.input_layernorm is None else self.input_layernorm(x)
-        a, k, v = self.self_attn(a_in, cos, sin, past_k, past_v, mask)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+def _linears(**shapes: tuple[int, int, bool]) -> nn.Module:
+    """A container of nn.Linear layers by name, each (in features, out features, bias)."""
+    module = nn.Module()
+    for name, (n_in, n_out, bias) in shapes.items():
+        setattr(module, name, nn.Linear(n_in, n_out, bias=bias))
+    return module
 
 
 class EagleHead(nn.Module):
@@ -133,42 +82,59 @@ class EagleHead(nn.Module):
                  input_norm: bool = False) -> None:
         super().__init__()
         self.arch = arch
-        h = arch.hidden_size
+        h, inter, bias = arch.hidden_size, arch.intermediate_size, arch.qkv_bias
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
-        self.layers = nn.ModuleList([HeadLayer(arch, input_norm)])
+        layer = nn.Module()
+        layer.input_layernorm = RMSNorm(h, arch.rms_norm_eps) if input_norm else None
+        layer.self_attn = _linears(q_proj=(h, q, bias), k_proj=(h, kv, bias), v_proj=(h, kv, bias),
+                                   o_proj=(q, h, False))
+        layer.post_attention_layernorm = RMSNorm(h, arch.rms_norm_eps)
+        layer.mlp = _linears(gate_proj=(h, inter, False), up_proj=(h, inter, False), down_proj=(inter, h, False))
+        self.layers = nn.ModuleList([layer])
         self.rotary = RotaryEmbedding(arch, max_positions)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None):
-        """features, embeds [B, T, hidden]; positions [T] (or [B, T]) int64; the past as
-        past_k/past_v. Returns (predicted next features, new keys, new values). Drafting runs
-        the same network as a `DraftPass`."""
-        x = self.fc(torch.cat([embeds, features], -1))
-        cos, sin = self.rotary.table(positions.reshape(-1), x.dtype)
-        if positions.dim() == 2:
-            cos = cos.view(*positions.shape, 1, -1)
-            sin = sin.view(*positions.shape, 1, -1)
-        return self.layers[0](x, cos, sin, past_k, past_v, mask)
+        """Training's batched form: features, embeds [B, T, hidden]; positions [T] (or [B, T])
+        int64; past_k/past_v [B, P, Hkv, D]; mask [B or 1, T, P + T] bool, or None (causal, no
+        past). Returns (predicted next features [B, T, hidden], the new rotated keys and values
+        [B, T, Hkv, D]). The network drafting runs (`DraftPass.run`), with PyTorch's products."""
+        b, t, _ = features.shape
+        new: list[torch.Tensor] = []
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k, v = k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:])
+            new.extend((k, v))
+            if past_k is not None:
+                k, v = torch.cat([past_k, k], 1), torch.cat([past_v, v], 1)
+            out = F.scaled_dot_product_attention(q.view(b, t, *q.shape[1:]).transpose(1, 2), k.transpose(1, 2),
+                                                 v.transpose(1, 2), None if mask is None else mask[:, None],
+                                                 is_causal=mask is None, enable_gqa=True)
+            return out.transpose(1, 2).reshape(b * t, -1)
+
+        network = DraftPass(self, lambda w, bias: partial(F.linear, weight=w, bias=bias), fused=False)
+        out = network.run(features.flatten(0, 1), embeds.flatten(0, 1), positions.expand(b, t).flatten(), attend)
+        return out.view(b, t, -1), *new
 
 
 class DraftPass:
     """The head as drafting runs it, over the rows of several requests at once: x [N, hidden]
     one request's rows after another, each request's new K/V written to its HeadKV and its
-    rows attending there in place (`Segment`). The same network as EagleHead.forward, built
-    from its weights: q/k/v and gate/up fused into one product each, every product a
-    `linear(weight, bias)` (int8, our float32 kernel or PyTorch's: spec_decode.quant), and on
-    a CPU float32 head the rotary embedding, the residual add with its norm and the MLP
-    activation in one layer_ops call each. At a pass of a few rows the head's time is
-    dispatches, not arithmetic (EagleHead.forward: ~1.2 ms a pass here, for ~0.3 ms of
-    products)."""
+    rows attending there in place (`Segment`). Built from the head's weights: q/k/v and
+    gate/up fused into one product each, every product a `linear(weight, bias)` (int8, our
+    float32 kernel or PyTorch's: spec_decode.quant), and on a CPU float32 head the rotary
+    embedding, the residual add with its norm and the MLP activation in one layer_ops call
+    each (`fused`). At a pass of a few rows the head's time is dispatches, not arithmetic.
+    Training runs the same network (`run`) through EagleHead.forward."""
 
-    def __init__(self, head: EagleHead, linear) -> None:
-        layer = head.layers[0]
+    def __init__(self, head: EagleHead, linear, fused: bool | None = None) -> None:
+        layer, arch = head.layers[0], head.arch
         attn, mlp = layer.self_attn, layer.mlp
-        self.heads, self.num_kv, self.head_dim = attn.num_heads, attn.num_kv, attn.head_dim
-        self.q_size, self.kv_size = attn.num_heads * attn.head_dim, attn.num_kv * attn.head_dim
-        self.intermediate = mlp.gate_proj.out_features
+        self.heads, self.num_kv, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.num_kv * self.head_dim
+        self.intermediate = arch.intermediate_size
         w = head.fc.weight
         biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
         self.fc = linear(w, head.fc.bias)
@@ -179,12 +145,27 @@ class DraftPass:
         self.down = linear(mlp.down_proj.weight, None)
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.rotary = head.rotary
-        self.fused = w.device.type == "cpu" and w.dtype == torch.float32 and layer_ops.available()
+        self.fused = (w.device.type == "cpu" and w.dtype == torch.float32 and layer_ops.available()
+                      if fused is None else fused)
 
     @torch.inference_mode()
     def __call__(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:
         """features, embeds [N, hidden]; positions [N] -> predicted next features [N, hidden]."""
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            outs, at = [], 0
+            for seg in segments:
+                rows = slice(at, at + seg.rows)
+                outs.append(_attend_in_place(q[rows], *seg.kv.write(seg.past, k[rows], v[rows]), seg.mask, seg.past))
+                at += seg.rows
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+        return self.run(features, embeds, positions, attend)
+
+    def run(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The network over rows [N, hidden], `attend(q [N, H, D], k, v [N, Hkv, D])` giving the
+        attention's output rows [N, H * D]."""
         x = self.fc(torch.cat([embeds, features], -1))
         cos, sin = self.rotary.table(positions, x.dtype)
         qkv = self.qkv(x if self.input_norm is None else self.input_norm(x))
@@ -195,12 +176,7 @@ class DraftPass:
         v = v.view(-1, self.num_kv, self.head_dim)
         if not self.fused:
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        outs, at = [], 0
-        for seg in segments:
-            rows = slice(at, at + seg.rows)
-            outs.append(_attend_in_place(q[rows], *seg.kv.write(seg.past, k[rows], v[rows]), seg.mask, seg.past))
-            at += seg.rows
-        a = self.o(torch.cat(outs) if len(outs) > 1 else outs[0])
+        a = self.o(attend(q, k, v))
         if self.fused:
             h, x = layer_ops.rms_norm(a, self.post_norm.weight, self.post_norm.eps, x)
             return x + self.down(layer_ops.silu_mul(self.gate_up(h)))
