@@ -24,6 +24,7 @@ from specserve.spec_decode.heads_io import load_eagle
 from specserve.spec_decode.training.checkpoints import save_eagle
 from specserve.spec_decode.policy import PROBE_FIRST
 from specserve.spec_decode.quant import draft_linear
+from tests import tree_reference
 from tests.spec_helpers import check_tree
 
 TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
@@ -413,10 +414,13 @@ def test_medusa_trees_come_depth_first_and_a_budget_keeps_the_shorter_paths(tmp_
         want = {(t, s) for j, (t, s) in enumerate(zip(full.tokens, full.scores)) if prop.dfs[j] < budget}
         assert set(zip(cut.tokens, cut.scores)) == want
     assert torch.is_grad_enabled() and not any(p.requires_grad for p in prop.heads.parameters())  # no graph
-    in_c = [prop.propose(propose_batch([req], budget))[0] for budget in (4, 64)]
-    monkeypatch.setattr(prop, "_c_trees", None)
-    in_python = [prop.propose(propose_batch([req], budget))[0] for budget in (4, 64)]
-    assert [(t.tokens, t.parents, t.scores) for t in in_python] == [(t.tokens, t.parents, t.scores) for t in in_c]
+    from_logits = [prop.propose(propose_batch([req], budget))[0] for budget in (4, 64)]
+    real = layer_ops.rows_view  # as on a GPU: the top-k taken by PyTorch, the trees from it
+    monkeypatch.setattr(layer_ops, "rows_view", lambda x: None if x.shape[1] > prop.width else real(x))
+    given = [prop.propose(propose_batch([req], budget))[0] for budget in (4, 64)]
+    assert [(t.tokens, t.parents) for t in given] == [(t.tokens, t.parents) for t in from_logits]
+    for a, b in zip(given, from_logits):  # PyTorch's log-softmax, not the C's: to ~1e-6
+        assert a.scores == pytest.approx(b.scores, abs=1e-5)
 
 
 def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
@@ -501,10 +505,11 @@ def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
 
 
 @pytest.mark.parametrize("with_map", [False, True])
-def test_eagle_children_in_one_c_call_are_the_python_loop(with_map):
+def test_eagle_children_in_one_c_call_are_the_python_reference(with_map):
     """EAGLE's children of a pass (top-k per parent, scores, the next frontier: the k best new
-    nodes, the earlier on ties, above the score cut) come the same from the C call as from the
-    Python loop it replaces off the CPU, over two passes, ties included."""
+    nodes, the earlier on ties, above the score cut) come the same from the C call over the
+    logits, over a top-k given (as on a GPU), and from the plain-Python reference, over two
+    passes, ties included."""
     from specserve.spec_decode.eagle import _Growing
 
     g = torch.Generator().manual_seed(5)
@@ -515,41 +520,47 @@ def test_eagle_children_in_one_c_call_are_the_python_loop(with_map):
     roots, later = 3 * torch.randn(3, 300, generator=g), 3 * torch.randn(9, 300, generator=g)
     roots[1] = 0.5  # one row of ties: its children score alike
     later[0, :4] = later[0].max() + 1  # a parent whose best children tie
+
+    def reference(grow, parents, logits, cut):
+        tree_reference.eagle_children(grow, parents, *layer_ops.top_logprobs(logits, 3, prop.d2t), 3, cut)
+
+    def given(grow, parents, logits, cut):  # the top-k taken already (on a GPU: by PyTorch)
+        val, idx = layer_ops.top_logprobs(logits, 3, prop.d2t)
+        layer_ops.eagle_children(layer_ops.rows_view(val), 3, 0, cut, grow, parents, idx.data_ptr())
+
     results = []
-    for in_c in (True, False):
-        prop._grow_in_c = in_c
+    for add in (prop._add_children, given, reference):
         grow = [_Growing(None, 10, 8) for _ in range(3)]
-        prop._add_children(grow, [[-1]] * 3, roots, -7.0)
+        add(grow, [[-1]] * 3, roots, -7.0)
         parents = [list(t.frontier) for t in grow]
-        prop._add_children(grow, parents, later[:sum(map(len, parents))], -4.0)
+        add(grow, parents, later[:sum(map(len, parents))], -4.0)
         results.append([(t.tokens, t.scores, t.parents, t.out_row, t.rows, t.frontier) for t in grow])
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     assert any(len(t[5]) < 3 for t in results[0]) and any(len(t[5]) == 3 for t in results[0])  # the cut took some
     with pytest.raises(ValueError):  # a row per parent
         layer_ops.eagle_children(layer_ops.rows_view(roots), 3, 0, -7.0, [_Growing(None, 10, 8)], [[-1, -1]])
 
 
-def test_eagle_next_pass_in_one_c_call_is_the_python_one():
+def test_eagle_next_pass_in_one_c_call_is_the_python_reference():
     """The inputs of EAGLE's next head passes (rows, positions, parents' rows, masks over the
     committed pairs and each node's ancestors) and the trees' bookkeeping come the same from
-    the C call as from _next_pass, over three depths."""
+    the C call as from the plain-Python reference, over three depths."""
     from types import SimpleNamespace
 
     from specserve.spec_decode.eagle import _Growing
 
     g = torch.Generator().manual_seed(7)
     prop = EagleProposer.__new__(EagleProposer)
-    prop.topk, prop._lm_head, prop.d2t, prop._d2t_ptr, prop.device = 2, (lambda x: x), None, 0, "cpu"
+    prop.topk, prop._lm_head, prop.d2t, prop._d2t_ptr = 2, (lambda x: x), None, 0
     pairs = [5, 0, 3] + list(range(7, 20))  # 16 requests: rows past any first guess of their number
     logits = [3 * torch.randn(2 * len(pairs), 50, generator=g) for _ in range(4)]
     runs = []
-    for in_c in (True, False):
-        prop._grow_in_c = in_c
+    for next_pass in (layer_ops.eagle_next_pass, tree_reference.eagle_next_pass):
         grow = [_Growing(SimpleNamespace(pairs=p, kv=None), 20 + p, 8) for p in pairs]
         prop._add_children(grow, [[-1]] * len(pairs), logits[0][:len(pairs)], -3.0)
         passes = []
         for d in range(1, 4):
-            step = layer_ops.eagle_next_pass(grow, d) if in_c else prop._next_pass(grow, d)
+            step = next_pass(grow, d)
             if step is None:
                 break
             active, ids, positions, src, masks = step
@@ -562,10 +573,14 @@ def test_eagle_next_pass_in_one_c_call_is_the_python_one():
     assert len(runs[0][0]) >= 2 and any(len(p[0]) < len(pairs) for p in runs[0][0])  # deeper passes, some done
 
 
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
-def test_trees_of_ten_requests_at_once_equal_plain_greedy(tmp_path, method):
+@pytest.mark.parametrize("method,given", [("eagle", False), ("medusa", False), ("eagle", True), ("medusa", True)])
+def test_trees_of_ten_requests_at_once_equal_plain_greedy(tmp_path, monkeypatch, method, given):
     """Ten requests drafting and verifying together (a step's host calls then carry dozens of
-    tree rows: EAGLE's frontier passes, Medusa's trees, the greedy walk) keep plain greedy."""
+    tree rows: EAGLE's frontier passes, Medusa's trees, the greedy walk) keep plain greedy;
+    also with the drafts' top-k taken by PyTorch and handed to the C (`given`: a GPU's way)."""
+    if given:
+        real = layer_ops.rows_view
+        monkeypatch.setattr(layer_ops, "rows_view", lambda x: None if x.shape[1] > 4 else real(x))
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 90 + 3 for j in range(5)]} for i in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ref = greedy_ids(tiny_llm(tmp_path), prompts, params)

@@ -12,15 +12,13 @@
  *     `rows` rows of n float32 (row r at x + r * row_stride); roots: B ints; trees: B
  *     tuples whose first two items are its tokens and parents (int lists). paths: B lists of accepted node indices; finals: B
  *     ints. IndexError when a tree's rows run past x.
- * top_logprob_lists(x, rows, n, row_stride, k, d2t, threads) -> (values, ids)
- *     layer_ops.c: top_logprobs, flat [rows * k] lists row after row; d2t: the address of an
- *     [n] int64 map, or 0.
- * medusa_trees(x, heads, B, n, row_stride, width, d2t, plan, dfs, P, budgets, min_score, threads)
- *     -> B (tokens, parents, scores) tuples: layer_ops.c: medusa_trees (plan and dfs the
- *     addresses of its [P, 3] and [P] int64 arrays; budgets B ints).
- * eagle_children(x, rows, n, row_stride, k, d2t, threads, min_score, grow, parents) -> None
+ * medusa_trees(x, heads, B, n, row_stride, width, d2t, ids, plan, dfs, P, budgets, min_score, threads)
+ *     -> B (tokens, parents, scores) tuples: layer_ops.c: medusa_trees (d2t: the address of an
+ *     [n] int64 map, or 0; ids: 0, or the address of the top-k's ids when x holds the top-k
+ *     already; plan and dfs the addresses of its [P, 3] and [P] int64 arrays; budgets B ints).
+ * eagle_children(x, rows, n, row_stride, k, d2t, ids, threads, min_score, grow, parents) -> None
  *     EAGLE's children of one pass, appended to each growing tree's lists, and its next
- *     frontier (below).
+ *     frontier (below); d2t and ids as for medusa_trees.
  * eagle_next_pass(grow, depth) -> (active, index, segments) or None: the inputs of EAGLE's
  *     next head pass (below).
  * The addresses and shapes come from the caller (specserve.kernels.layer_ops), which checked them.
@@ -165,34 +163,11 @@ done:
     return result;
 }
 
-static PyObject *py_top_logprob_lists(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[7];
-    if (parse(args, nargs, "iiiiiii", a, "top_logprob_lists")) return NULL;
-    const int64_t rows = a[1], k = a[4];
-    float *val = malloc((size_t)(rows * k + 1) * sizeof(float));
-    int64_t *idx = malloc((size_t)(rows * k + 1) * sizeof(int64_t));
-    PyObject *result = NULL;
-    if (!val || !idx) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    top_logprobs((const float *)(intptr_t)a[0], rows, a[2], a[3], k, (const int64_t *)(intptr_t)a[5], val, idx,
-                 (int)a[6]);
-    Py_END_ALLOW_THREADS
-    PyObject *v = float_list(val, NULL, rows * k), *i = int_list(idx, rows * k);
-    if (v && i) result = PyTuple_Pack(2, v, i);
-    Py_XDECREF(v), Py_XDECREF(i);
-done:
-    free(val), free(idx);
-    return result;
-}
-
 static PyObject *py_medusa_trees(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[13];
-    if (parse(args, nargs, "iiiiiiiiiiooi", a, "medusa_trees")) return NULL;
-    const int64_t B = a[2], P = a[9];
-    const double min_score = PyFloat_AsDouble(args[11]);
+    int64_t a[14];
+    if (parse(args, nargs, "iiiiiiiiiiiooi", a, "medusa_trees")) return NULL;
+    const int64_t B = a[2], P = a[10];
+    const double min_score = PyFloat_AsDouble(args[12]);
     if (min_score == -1.0 && PyErr_Occurred()) return NULL;
     int64_t *budget = malloc((size_t)(B + 1) * sizeof(int64_t));
     int64_t *out = malloc((size_t)(B * (2 * P + 1) + 1) * sizeof(int64_t));
@@ -203,7 +178,7 @@ static PyObject *py_medusa_trees(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_NoMemory();
         goto done;
     }
-    if (read_ints(args[10], budget, &at)) goto done;
+    if (read_ints(args[11], budget, &at)) goto done;
     if (at != B) {
         PyErr_SetString(PyExc_ValueError, "medusa_trees: one budget per request");
         goto done;
@@ -211,8 +186,8 @@ static PyObject *py_medusa_trees(PyObject *self, PyObject *const *args, Py_ssize
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = medusa_trees((const float *)(intptr_t)a[0], a[1], B, a[3], a[4], a[5], (const int64_t *)(intptr_t)a[6],
-                      (const int64_t *)(intptr_t)a[7], (const int64_t *)(intptr_t)a[8], P, budget, min_score, out,
-                      scores, (int)a[12]);
+                      (const int64_t *)(intptr_t)a[7], (const int64_t *)(intptr_t)a[8], (const int64_t *)(intptr_t)a[9],
+                      P, budget, min_score, out, scores, (int)a[13]);
     Py_END_ALLOW_THREADS
     if (rc) {
         PyErr_NoMemory();
@@ -237,22 +212,23 @@ done:
 }
 
 /* One pass's children for EAGLE's growing trees (specserve.spec_decode.eagle: _add_children):
- * row r of x is the draft's logits after the r-th parent, parents listed request after request;
- * each parent gets its k best tokens (top_logprobs, through d2t) as children scoring the
- * parent's score (0 at the root, -1) + log q. Each request's lists (tokens, scores, parents,
- * out_row, rows: attributes of grow[b]) get them appended, and grow[b].frontier becomes its k
- * best new nodes (a stable sort by score, descending, as Python's) that score >= min_score. */
+ * row r of x is the draft's logits after the r-th parent, parents listed request after request
+ * (or their top-k given: top_or_given); each parent gets its k best tokens (through d2t) as
+ * children scoring the parent's score (0 at the root, -1) + log q. Each request's lists
+ * (tokens, scores, parents, out_row, rows: attributes of grow[b]) get them appended, and
+ * grow[b].frontier becomes its k best new nodes (a stable sort by score, descending, as
+ * Python's) that score >= min_score. */
 static PyObject *s_tokens, *s_scores, *s_parents, *s_out_row, *s_rows, *s_frontier;
 
 static PyObject *py_eagle_children(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[10];
-    if (parse(args, nargs, "iiiiiiiooo", a, "eagle_children")) return NULL;
-    const double min_score = PyFloat_AsDouble(args[7]);
+    int64_t a[11];
+    if (parse(args, nargs, "iiiiiiiiooo", a, "eagle_children")) return NULL;
+    const double min_score = PyFloat_AsDouble(args[8]);
     if (min_score == -1.0 && PyErr_Occurred()) return NULL;
     const int64_t rows = a[1], k = a[4];
-    PyObject *grow = PySequence_Fast(args[8], "eagle_children: grow must be a list");
+    PyObject *grow = PySequence_Fast(args[9], "eagle_children: grow must be a list");
     if (!grow) return NULL;
-    PyObject *parents = PySequence_Fast(args[9], "eagle_children: parents must be a list");
+    PyObject *parents = PySequence_Fast(args[10], "eagle_children: parents must be a list");
     float *val = malloc((size_t)(rows * k + 1) * sizeof(float));
     int64_t *idx = malloc((size_t)(rows * k + 1) * sizeof(int64_t));
     int64_t *best = malloc((size_t)(k + 1) * sizeof(int64_t));
@@ -277,8 +253,8 @@ static PyObject *py_eagle_children(PyObject *self, PyObject *const *args, Py_ssi
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    top_logprobs((const float *)(intptr_t)a[0], rows, a[2], a[3], k, (const int64_t *)(intptr_t)a[5], val, idx,
-                 (int)a[6]);
+    top_or_given((const float *)(intptr_t)a[0], rows, a[2], a[3], k, (const int64_t *)(intptr_t)a[5],
+                 (const int64_t *)(intptr_t)a[6], val, idx, (int)a[7]);
     Py_END_ALLOW_THREADS
     Py_ssize_t at = 0;
     for (Py_ssize_t b = 0; b < B; b++) {
@@ -475,7 +451,6 @@ done:
 
 static PyMethodDef methods[] = {
     {"greedy_walk", (PyCFunction)(void (*)(void))py_greedy_walk, METH_FASTCALL, "greedy verification of every tree"},
-    {"top_logprob_lists", (PyCFunction)(void (*)(void))py_top_logprob_lists, METH_FASTCALL, "top-k log-softmax as lists"},
     {"medusa_trees", (PyCFunction)(void (*)(void))py_medusa_trees, METH_FASTCALL, "Medusa's draft trees"},
     {"eagle_children", (PyCFunction)(void (*)(void))py_eagle_children, METH_FASTCALL, "EAGLE's children of a pass"},
     {"eagle_next_pass", (PyCFunction)(void (*)(void))py_eagle_next_pass, METH_FASTCALL, "EAGLE's next pass's rows"},

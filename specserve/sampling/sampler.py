@@ -209,15 +209,17 @@ def top_logprobs(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None) 
     return val, (d2t[idx] if d2t is not None else idx)
 
 
-def top_logprob_lists(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None) -> tuple[list[float], list[int]]:
-    """top_logprobs as flat host lists, row after row ([N * k] each): what drafting reads on the
-    host. On an x86 CPU one C call that makes and reads no tensor (d2t then int64 contiguous);
-    elsewhere top_logprobs and one transfer each."""
-    view = layer_ops.rows_view(logits) if layer_ops.host_available() else None
+def draft_top_k(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None):
+    """What the host calls that grow draft trees (layer_ops.eagle_children, Medusa's trees) read
+    of a draft's logits [N, V]: (rows_view, ids address, tensors to keep alive through the call).
+    A float32 CPU tensor as it is (the C takes its top-k, through d2t: ids 0); elsewhere (a
+    GPU, bfloat16) top_logprobs on its device, brought to the host (one transfer each)."""
+    view = layer_ops.rows_view(logits)
     if view is not None:
-        return layer_ops.top_logprob_lists(view, k, 0 if d2t is None else d2t.data_ptr())
+        return view, 0, logits
     val, idx = top_logprobs(logits, k, d2t)
-    return val.flatten().tolist(), idx.flatten().tolist()
+    val, idx = val.cpu(), idx.cpu()
+    return layer_ops.rows_view(val), idx.data_ptr(), (val, idx)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

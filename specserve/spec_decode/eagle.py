@@ -32,13 +32,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from specserve.config import DEFAULT_DRAFTS
 from specserve.host import int_tensor
 from specserve.kernels import layer_ops
-from specserve.sampling import top_logprob_lists
+from specserve.sampling import draft_top_k
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, preorder
 from specserve.spec_decode.eagle_head import DraftPass, HeadKV, Segment
 from specserve.spec_decode.quant import draft_linear, draft_lm_head, f32_kernel_for
@@ -100,7 +99,6 @@ class EagleProposer:
         f32_kernel = not quantize and f32_kernel_for(param, head.arch.hidden_size, head.arch.intermediate_size)
         self.draft = DraftPass(self.head, lambda w, b: draft_linear(w, b, quantize, f32_kernel))
         self._lm_head, self.d2t = draft_lm_head(None, param, d2t, quantize, f32_kernel)  # spec_decode.quant
-        self._grow_in_c = self.on_cpu and layer_ops.host_available()
         self._d2t_ptr = 0 if self.d2t is None else self.d2t.data_ptr()
         self.cache: dict[str, _HeadCache] = {}
         self.window, self.prompt_window = CATCH_UP_WINDOW, PROMPT_WINDOW
@@ -181,71 +179,25 @@ class EagleProposer:
         return out
 
     def _grow(self, grow: list[_Growing], min_score: float) -> None:
+        """Each pass's inputs and each tree's bookkeeping in one C call (layer_ops: eagle_next_pass,
+        eagle_children), the head and LM head batched over every tree with a frontier."""
         out = torch.stack([g.cache.last_out for g in grow])  # the roots' outputs, row b: grow[b]'s
         self._add_children(grow, [[-1] for _ in grow], out, min_score)
         for d in range(1, self.depth):
-            step = layer_ops.eagle_next_pass(grow, d) if self._grow_in_c else self._next_pass(grow, d)
+            step = layer_ops.eagle_next_pass(grow, d, None if self.on_cpu else self.device)
             if step is None:  # no frontier left
                 return
             active, ids, positions, src, masks = step
-            segments = [Segment(grow[b].cache.kv, past, f, mask if self.on_cpu else mask.to(self.device))
-                        for b, (mask, past, f) in zip(active, masks)]
+            segments = [Segment(grow[b].cache.kv, past, f, mask) for b, (mask, past, f) in zip(active, masks)]
             out = self._pass(out.index_select(0, src), ids, positions, segments)
             self._add_children([grow[b] for b in active], [grow[b].frontier for b in active], out, min_score)
-
-    def _next_pass(self, grow: list[_Growing], d: int):
-        """The inputs of the head pass of depth d + 1 (layer_ops.eagle_next_pass in C on a CPU):
-        every tree with a frontier runs it; each frontier row sees the committed pairs, its
-        ancestors' rows and itself. -> (the index in grow of each tree in the pass, token ids,
-        positions, each row's parent's row in the last pass's output, per tree (mask, its
-        first KV entry, rows)), or None when no tree has a frontier."""
-        active, src, ids, positions, masks = [], [], [], [], []  # src: each row's parent's row in out
-        for b, g in enumerate(grow):
-            if not g.frontier:
-                continue
-            past, num, f = g.cache.pairs, g.expanded, len(g.frontier)
-            g.expanded += f
-            mask = np.zeros((f, past + num + f), dtype=bool)  # the pairs, its ancestors, itself
-            mask[:, :past] = True
-            for j, i in enumerate(g.frontier):
-                node, mask[j, past + num + j] = i, True
-                while (node := g.parents[node]) >= 0:
-                    mask[j, past + g.rows[node]] = True
-                g.rows[i] = num + j
-                src.append(g.out_row[g.parents[i]] if g.parents[i] >= 0 else b)
-                g.out_row[i] = len(ids)
-                ids.append(g.tokens[i])
-                positions.append(g.position + d - 1)
-            active.append(b)
-            masks.append((torch.from_numpy(mask), past + num, f))
-        if not active:
-            return None
-        ids_t, positions_t, src_t = int_tensor([ids, positions, src], self.device).unbind()
-        return active, ids_t, positions_t, src_t, masks
 
     def _add_children(self, grow, parents: list[list[int]], outs: torch.Tensor, min_score: float) -> None:
         """Each parent node (-1: the root) gets its top-k children, score = parent score +
         log q(child); each request's next frontier is its k best new nodes worth expanding.
         outs: [sum of parents, hidden], the parents' head outputs in order."""
-        k, logits = self.topk, self._lm_head(outs)
-        if self._grow_in_c and (view := layer_ops.rows_view(logits)):  # the loop below, in one C call
-            layer_ops.eagle_children(view, k, self._d2t_ptr, min_score, grow, parents)
-            return
-        lp_l, tok_l = top_logprob_lists(logits, k, self.d2t)  # [P * k] draft log q, target ids
-        at = 0
-        for g, ps in zip(grow, parents):
-            start = len(g.tokens)
-            for parent in ps:
-                base = g.scores[parent] if parent >= 0 else 0.0
-                g.tokens += tok_l[at:at + k]
-                g.scores += [base + lp for lp in lp_l[at:at + k]]
-                at += k
-            new = len(g.tokens) - start
-            g.parents += [p for p in ps for _ in range(k)]
-            g.out_row += [-1] * new
-            g.rows += [-1] * new
-            best = sorted(range(start, len(g.tokens)), key=g.scores.__getitem__, reverse=True)[:k]  # stable
-            g.frontier = [i for i in best if g.scores[i] >= min_score]
+        view, ids, _alive = draft_top_k(self._lm_head(outs), self.topk, self.d2t)
+        layer_ops.eagle_children(view, self.topk, self._d2t_ptr, min_score, grow, parents, ids)
 
 
 def _let_go(c: _HeadCache, upto: int) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from specserve.config import DEFAULT_DRAFTS
 from specserve.kernels import layer_ops
-from specserve.sampling import top_logprobs
+from specserve.sampling import draft_top_k
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.quant import draft_lm_head, f32_kernel_for
 
@@ -128,38 +128,11 @@ class MedusaProposer:
         paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.plan, self.dfs = medusa_plan(paths)
         self.width = 1 + max(rank for _, rank, _ in self.plan)  # top-k each head needs
-        self._c_trees = (layer_ops.medusa_tree_builder(heads.num_heads, self.width, self.d2t, torch.tensor(self.plan),
-                                                       torch.tensor(self.dfs)) if layer_ops.host_available() else None)
+        d2t_host = None if self.d2t is None else self.d2t.cpu()  # (read by the C only for CPU logits)
+        self._trees = layer_ops.medusa_tree_builder(heads.num_heads, self.width, d2t_host, torch.tensor(self.plan),
+                                                    torch.tensor(self.dfs))  # top-k and trees in one C call
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature [1, hidden])
-
-    def trees(self, top_lp: list, top: list, budgets: list[int], min_score: float) -> list[tuple]:
-        """Each request's tree (tokens, parents, scores) from the heads' top-k, top_lp and top
-        [K][B][w]: the budget's paths, shorter first, that score at least min_score (and whose
-        prefix is in), listed depth first (specserve.kernels.layer_ops.medusa_trees in C)."""
-        trees = []
-        for b, budget in enumerate(budgets):
-            score: list[float | None] = [None] * len(self.plan)  # each path's, None: not in the tree
-            for i, (head, rank, prefix) in enumerate(self.plan):
-                if prefix >= 0 and score[prefix] is None:
-                    continue
-                s = (score[prefix] if prefix >= 0 else 0.0) + top_lp[head][b][rank]
-                if s < min_score:
-                    continue
-                if not budget:
-                    break
-                score[i], budget = s, budget - 1
-            node = [-1] * len(self.plan)  # each path's node
-            tokens, parents, scores = [], [], []
-            for i in self.dfs:
-                if score[i] is not None:
-                    head, rank, prefix = self.plan[i]
-                    node[i] = len(tokens)
-                    tokens.append(top[head][b][rank])
-                    parents.append(node[prefix] if prefix >= 0 else -1)
-                    scores.append(score[i])
-            trees.append((tokens, parents, scores))
-        return trees
 
     def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
         end, hidden = 0, hidden if hidden.dtype is self.dtype else hidden.to(self.dtype)
@@ -181,15 +154,8 @@ class MedusaProposer:
             return out
         feats = [self.last[batch.request_ids[j]][1] for j in ready]  # [1, hidden] each, in self.dtype
         feats = feats[0] if len(feats) == 1 else torch.cat(feats)
-        logits = self.heads.logits(feats, self.lm_head)  # [K, B, V']
-        logits = logits.flatten(0, 1)
-        budgets = [min(self.m, batch.max_drafts[j]) for j in ready]
-        if self._c_trees is not None and (view := layer_ops.rows_view(logits)) is not None:
-            trees = self._c_trees(view, budgets, batch.min_score)  # top-k and trees in one C call for the batch
-        else:
-            top_lp, top = top_logprobs(logits, self.width, self.d2t)
-            shape = (self.heads.num_heads, len(ready), self.width)  # one transfer each
-            trees = self.trees(top_lp.view(shape).tolist(), top.view(shape).tolist(), budgets, batch.min_score)
+        view, ids, _alive = draft_top_k(self.heads.logits(feats, self.lm_head).flatten(0, 1), self.width, self.d2t)
+        trees = self._trees(view, [min(self.m, batch.max_drafts[j]) for j in ready], batch.min_score, ids)
         for j, (tokens, parents, scores) in zip(ready, trees):
             out[j] = DraftTree(tokens, parents, None, scores, True) if tokens else None
         return out

@@ -21,12 +21,16 @@ LOOKUP_BRANCH = 4  # default lookup chain grafted onto trees; chains of up to 4x
 
 
 def resolve(config: SpecConfig, model: str) -> SpecConfig:
-    """"auto": EAGLE with the shipped head on the default model, prompt lookup elsewhere."""
+    """"auto": EAGLE with the shipped head on the default model (where its C host calls build),
+    prompt lookup elsewhere."""
     if config.method != "auto":
         return config
     from specserve.model.loader import canonical_alias
 
-    method = "eagle" if canonical_alias(model) == DEFAULT_MODEL and config.model is None else "ngram"
+    from specserve.kernels.layer_ops import host_available
+
+    eagle = canonical_alias(model) == DEFAULT_MODEL and config.model is None and host_available()
+    method = "eagle" if eagle else "ngram"
     k = config.num_speculative_tokens or DEFAULT_DRAFTS[method]
     return replace(config, method=method, num_speculative_tokens=k)
 
@@ -71,7 +75,12 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
 
 
 def _tree_proposer(config: SpecConfig, runner, model_name: str, max_model_len: int):
+    from specserve.kernels.layer_ops import host_available, host_why_unavailable
     from specserve.spec_decode.quant import check_quantization
+
+    if not host_available():
+        raise ValueError(f"speculative_config: method {config.method!r} grows its trees in C, which needs a C "
+                         f"compiler and Python's headers here ({host_why_unavailable()}); use 'ngram'")
 
     model = runner.model
     weight = model.lm_head.weight

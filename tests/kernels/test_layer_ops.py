@@ -68,8 +68,8 @@ def test_top_logprobs_is_log_softmax_topk(shape, k):
     assert val[0, 0] == 0.0 and (val[0, 1:] == -torch.inf).all()
 
 
-def test_rows_view_says_what_the_kernels_can_read_and_top_logprob_lists_is_top_logprobs():
-    from specserve.sampling import top_logprob_lists
+def test_rows_view_says_what_the_kernels_can_read_and_draft_top_k_hands_them_over():
+    from specserve.sampling import draft_top_k
 
     g = torch.Generator().manual_seed(3)
     x = (4 * torch.randn(5, 300, generator=g))[:, 7:290]  # a row stride past the row
@@ -77,21 +77,20 @@ def test_rows_view_says_what_the_kernels_can_read_and_top_logprob_lists_is_top_l
     assert (ptr, rows, n, stride) == (x.data_ptr(), 5, 283, 300)
     for other in (x.double(), x.t(), x[None], x.bfloat16()):
         assert layer_ops.rows_view(other) is None
+    assert draft_top_k(x, 3)[:2] == (layer_ops.rows_view(x), 0)  # the C reads the logits
     d2t = torch.randperm(1000, generator=g)[:283]
-    for ids in (None, d2t):
-        val, idx = layer_ops.top_logprobs(x, 3, ids)
-        assert top_logprob_lists(x, 3, ids) == (val.flatten().tolist(), idx.flatten().tolist())
-        # elsewhere (here: float64) top_logprobs and a transfer, the same lists to ~1e-6
-        lp, tok = top_logprob_lists(x.double(), 3, ids)
-        assert tok == idx.flatten().tolist() and lp == pytest.approx(val.flatten().tolist(), abs=2e-6)
+    view, ids, (val, idx) = draft_top_k(x.double(), 3, d2t)  # elsewhere: the top-k, on the host
+    want_val, want_idx = layer_ops.top_logprobs(x, 3, d2t)
+    assert view == layer_ops.rows_view(val) and ids == idx.data_ptr()
+    assert torch.equal(idx, want_idx) and torch.equal(val, want_val)
 
 
 @pytest.mark.parametrize("min_score,d2t", [(-math.inf, False), (-6.0, True), (-4.5, False)])
 def test_medusa_trees_is_the_python_walk(min_score, d2t):
-    from specserve.spec_decode.medusa import DEFAULT_MEDUSA_TREE, MedusaProposer, medusa_plan, tree_from_choices
+    from specserve.spec_decode.medusa import DEFAULT_MEDUSA_TREE, medusa_plan, tree_from_choices
+    from tests import tree_reference
 
-    proposer = MedusaProposer.__new__(MedusaProposer)  # its plan alone: the Python walk reads nothing else
-    proposer.plan, proposer.dfs = medusa_plan(tree_from_choices(DEFAULT_MEDUSA_TREE, 4))
+    plan, dfs = medusa_plan(tree_from_choices(DEFAULT_MEDUSA_TREE, 4))
     g = torch.Generator().manual_seed(1)
     heads, b, width = 4, 6, 4
     logits = 3 * torch.randn(heads * b, 300, generator=g)  # row k * b + j: head k, request j
@@ -99,11 +98,11 @@ def test_medusa_trees_is_the_python_walk(min_score, d2t):
     budgets = [16, 3, 0, 18, 7, 1]
     top_lp, top = layer_ops.top_logprobs(logits, width)
     top = ids[top] if d2t else top
-    want = proposer.trees(top_lp.view(heads, b, width).tolist(), top.view(heads, b, width).tolist(), budgets,
-                          min_score)
-    build = layer_ops.medusa_tree_builder(heads, width, ids, torch.tensor(proposer.plan), torch.tensor(proposer.dfs))
+    want = tree_reference.medusa_trees(plan, dfs, top_lp.view(heads, b, width).tolist(),
+                                       top.view(heads, b, width).tolist(), budgets, min_score)
+    build = layer_ops.medusa_tree_builder(heads, width, ids, torch.tensor(plan), torch.tensor(dfs))
     got = build(layer_ops.rows_view(logits), budgets, min_score)
-    assert got == want
+    assert got == want == build(layer_ops.rows_view(top_lp), budgets, min_score, top.data_ptr())  # top-k given
     assert not got[2][0] and all(len(t[0]) <= n for t, n in zip(got, budgets))
     if min_score == -math.inf:
         assert [len(t[0]) for t in got] == budgets[:3] + [18, 7, 1]
@@ -144,6 +143,17 @@ def test_the_host_calls_check_their_lists_and_verification_runs_without_them(mon
     got = verify_trees(x, torch.tensor([True, True]), torch.tensor([0, 0]), torch.zeros(5, dtype=torch.int64),
                        trees, True)
     assert (got.accepted, got.final) == (want.accepted, want.final) == ([[0, 2], []], [5, 1])
+    # EAGLE and Medusa grow their trees in C: without it "auto" takes prompt lookup, and they say why
+    from specserve.config import DEFAULT_MODEL, SpecConfig
+    from specserve.spec_decode.methods import _tree_proposer, resolve
+
+    assert resolve(SpecConfig(method="auto"), DEFAULT_MODEL).method == "ngram"
+    monkeypatch.setattr(layer_ops, "host_available", lambda: True)
+    assert resolve(SpecConfig(method="auto"), DEFAULT_MODEL).method == "eagle"
+    monkeypatch.setattr(layer_ops, "host_available", lambda: False)
+    for method in ("eagle", "medusa"):
+        with pytest.raises(ValueError, match=f"method '{method}' grows its trees in C.*use 'ngram'"):
+            _tree_proposer(SpecConfig(method=method, model="heads"), None, DEFAULT_MODEL, 256)
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C")
     ext = Extension(broken)
