@@ -75,16 +75,12 @@ class SpecDecoder:
         if self.policy.adaptive and sched.decode_only:
             self.policy.cost.observe(len(sched), sched.total_tokens, seconds)
 
-    def _scheduled(self, req: Request, k: int) -> DraftTree:
-        """The drafts the scheduler kept: the tree's first k nodes (parents come first)."""
-        if not k:
-            return NO_DRAFTS
-        return self.states[req.request_id].tree.prefix(k)
-
     def _scheduled_trees(self, sched: SchedulerOutput) -> list[DraftTree]:
-        """Every scheduled request's drafts (`_scheduled`), made once per step."""
+        """Every scheduled request's drafts that the scheduler kept, its tree's first k nodes
+        (parents come first), made once per step."""
         if self._trees is None or self._trees[0] is not sched:
-            self._trees = (sched, [self._scheduled(r, k) for r, k in zip(sched.requests, sched.num_drafts)])
+            self._trees = (sched, [self.states[r.request_id].tree.prefix(k) if k else NO_DRAFTS
+                                   for r, k in zip(sched.requests, sched.num_drafts)])
         return self._trees[1]
 
     def tree_parents(self, sched: SchedulerOutput) -> list[list[int] | None] | None:
@@ -186,27 +182,20 @@ class SpecDecoder:
 
     def _show_features(self, sched, step: StepLogits, live: list[int], accepted: list[list[int]]) -> None:
         """The target features of every newly computed committed token: prefill chunks, roots
-        and accepted paths (only each request's last one for a proposer that reads no other)."""
+        and accepted paths."""
         paths = dict(zip(live, accepted))
-        last_only = self.proposer.last_hidden_only
         index, ids, starts, sizes, off = [], [], [], [], 0
         for i, (req, n, k) in enumerate(zip(sched.requests, sched.num_tokens, sched.num_drafts)):
             path = paths.get(i)  # None: mid-prefill, every token is committed
-            if last_only:  # rows off .. off + n - k - 1 committed, then the accepted draft rows
-                num = n - k + len(path) if path is not None else n
-                index.append(off + n - k + path[-1] if path else off + num - 1)
-                starts.append(req.num_computed_tokens + num - 1)
-                sizes.append(1)
-            else:
-                committed = list(range(off, off + n - k)) + [off + n - k + node for node in path] if path is not None \
-                    else list(range(off, off + n))
-                index += committed
-                starts.append(req.num_computed_tokens)
-                sizes.append(len(committed))
+            committed = (list(range(off, off + n - k)) + [off + n - k + node for node in path] if path is not None
+                         else list(range(off, off + n)))
+            index += committed
             ids.append(req.request_id)
+            starts.append(req.num_computed_tokens)
+            sizes.append(len(committed))
             off += n
         hidden = step.all_hidden  # [off, hidden]: every row of the step
-        if len(index) < off:  # drafts not accepted, or rows of requests not shown
+        if len(index) < off:  # drafts not accepted
             # index is increasing: a run of rows (first-choice paths accepted) is a view
             first = index[0]  # (every scheduled request commits at least one token)
             hidden = (hidden[first:first + len(index)] if index[-1] - first == len(index) - 1
@@ -312,14 +301,10 @@ class SpecDecoder:
                 state.tree, state.chain_nodes = None, []
                 state.masks = state.masks[:1] if state.masks is not None else None  # the root's
                 continue
-            if tree.dfs and nodes[-1] == len(nodes) - 1:  # its first nodes (or all of them)
-                if len(nodes) < len(tree):
-                    state.chain_nodes = [n for n in state.chain_nodes if n < len(nodes)]
-                    tree = tree.prefix(len(nodes))
-            elif nodes != list(range(len(tree))):  # else the whole tree as it is
+            if nodes != list(range(len(tree))):  # else the whole tree as it is
                 index = {old: new for new, old in enumerate(nodes)}
                 state.chain_nodes = [index[n] for n in state.chain_nodes if n in index]
-                tree = tree.select(nodes, True)
+                tree = tree.prefix(len(nodes)) if nodes[-1] == len(nodes) - 1 else tree.select(nodes, True)
             state.tree = tree
             if state.masks is not None:
                 state.masks = state.masks[[0] + [n + 1 for n in nodes]]

@@ -46,7 +46,7 @@ def draft_arch(model: str, target: ModelArch) -> tuple[object, ModelArch]:
 
 class DraftModelProposer:
     name = "draft_model"
-    needs_hidden, last_hidden_only = False, False
+    needs_hidden = False
 
     def __init__(self, model: str, target: ModelRunner, model_config: ModelConfig, max_model_len: int,
                  chunk_size: int) -> None:

@@ -134,8 +134,7 @@ class Proposer(Protocol):
     * `observe(request_ids, starts, sizes, hidden)`: the target's final hidden states of newly
       computed committed tokens, request after request in the rows of hidden: positions
       starts[i] .. starts[i] + sizes[i] - 1 of request i (anything the proposer holds at or past
-      starts[i] is stale). Called only when `needs_hidden`; with `last_hidden_only` each
-      request's last newly committed token alone (sizes all 1).
+      starts[i] is stale). Called only when `needs_hidden`.
     * `propose(batch)`: one DraftTree (or None: no draft) per request of the batch, at most
       batch.max_drafts[i] nodes each.
     * `free(request_id)`: forget the request (finished, aborted or preempted).
@@ -145,7 +144,6 @@ class Proposer(Protocol):
 
     name: str
     needs_hidden: bool
-    last_hidden_only: bool
 
     def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
         ...

@@ -110,7 +110,7 @@ class MedusaProposer:
     under sampling)."""
 
     name = "medusa"
-    needs_hidden, last_hidden_only = True, True
+    needs_hidden = True
 
     def __init__(self, target_model, heads_dir, num_speculative_tokens: int = DEFAULT_DRAFTS["medusa"],
                  tree: list | None = None, quantize: bool = False) -> None:
