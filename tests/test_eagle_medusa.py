@@ -363,40 +363,22 @@ def test_tree_config_keys_reach_the_proposer(tmp_path):
 
 
 def test_medusa_tree_is_validated():
-    from specserve.spec_decode.medusa import tree_from_choices
+    from specserve.spec_decode.medusa import medusa_plan
 
-    assert tree_from_choices([[1], [0], [0, 2], [0, 2, 1]], 2) == [(0,), (1,), (0, 2)]
+    # paths (0,), (1,), (0, 2): shorter first as (head, rank, prefix), then depth first
+    assert medusa_plan([[1], [0], [0, 2], [0, 2, 1]], 2) == ([(0, 0, -1), (0, 1, -1), (1, 2, 0)], [0, 2, 1])
     with pytest.raises(ValueError, match="deeper than the 2 heads"):
-        tree_from_choices([[0, 0, 0]], 2)
+        medusa_plan([[0, 0, 0]], 2)
     for bad, message in [([], "non-empty list"), ([[0, -1]], "integers >= 0"), ([[]], "non-empty"),
                          ([["a"]], "integers"), ([[0, 1]], "lacks its prefix"), ({"0": 1}, "list of paths")]:
         with pytest.raises(ValueError, match=message):  # when the config is made
             SpecConfig(method="medusa", model="heads", extra={"medusa_tree": bad})
 
 
-def test_medusa_own_lm_heads_fused_into_one_product():
-    """fuse_lm_heads: one batched product gives each head's own LM head logits; the
-    checkpoint layout (state dict keys and values) is unchanged."""
-    from specserve.spec_decode.medusa import MedusaHeads
-
-    heads = MedusaHeads(3, 1, 64, vocab=96)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    x, state = torch.randn(5, 64, generator=g), {k: v.clone() for k, v in heads.state_dict().items()}
-    want = heads.logits(x, None)
-    heads.fuse_lm_heads()
-    # the same products summed in another order (bmm against one linear per head): close, not equal
-    torch.testing.assert_close(heads.logits(x, None), want, rtol=1e-4, atol=1e-4)
-    after = heads.state_dict()
-    assert after.keys() == state.keys() and all(torch.equal(v, state[k]) for k, v in after.items())
-
-
 def test_medusa_trees_come_depth_first_and_a_budget_keeps_the_shorter_paths(tmp_path, monkeypatch):
     """Medusa's tree lists its nodes depth first (rank paths in lexicographic order); a budget
-    smaller than the tree keeps the shorter paths first, as before the order changed. The
-    trees built in Python (off the CPU) are the C call's."""
+    smaller than the tree keeps the shorter paths first, as before the order changed. A top-k
+    taken by PyTorch (as on a GPU) gives the C the same trees."""
     llm = tiny_llm(tmp_path, {"method": "medusa", "model": str(write_medusa(tmp_path / "heads")),
                               "adaptive": False, "quantization": "none", "lookup_branch": 0})
     prop = llm.engine.spec.proposer

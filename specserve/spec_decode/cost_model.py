@@ -22,15 +22,12 @@ one CPU: every number comes from a measurement.
 from __future__ import annotations
 
 import bisect
-import logging
 import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-logger = logging.getLogger("specserve.spec_decode")
 
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 CALIBRATION_CONTEXT = 128
@@ -45,8 +42,7 @@ class Curve:
     """A non-decreasing function of a positive count, piecewise linear between points."""
 
     def __init__(self, points: dict[int, float] | None = None, weight: float = 0.2) -> None:
-        self.x: list[int] = []
-        self.y: list[float] = []
+        self.x, self.y = [], []  # the points: x ascending, y non-decreasing
         self.weight = weight
         for x, y in sorted((points or {}).items()):
             self._set(x, y)

@@ -121,9 +121,7 @@ class SpecDecoder:
         grammar's masks, logit_bias and min_tokens (specserve.structured.constrain)."""
         logits = constrain(logits, reqs, [self._state(r) if r.params.structured else None for r in reqs],
                            trees, starts, self.vocab_size)
-        counts = None
-        if any(r.params.has_penalties for r in reqs):
-            counts = [self._counts(r, logits.device) for r in reqs]
+        counts = [self._counts(r, logits.device) for r in reqs] if any(r.params.has_penalties for r in reqs) else None
         return verify_targets(logits, reqs, [(t.tokens, t.parents) for t in trees], counts, self.vocab_size)
 
     def _counts(self, req: Request, device) -> TokenCounts:
@@ -172,8 +170,8 @@ class SpecDecoder:
             rows += [start] + [start + 1 + n for n in accepted[j]]
             ids += tokens
             top += [reqs[j].params.logprobs] * len(tokens)
-        device = step.logits.device
-        lps = gather_logprobs(step.logits.index_select(0, int_tensor(rows, device)), int_tensor(ids, device), top)
+        rows_ids = int_tensor([rows, ids], step.logits.device)  # one tensor call, not two
+        lps = gather_logprobs(step.logits.index_select(0, rows_ids[0]), rows_ids[1], top)
         at = 0
         for j in want:
             tokens = results[live[j]][0]
@@ -186,9 +184,8 @@ class SpecDecoder:
         paths = dict(zip(live, accepted))
         index, ids, starts, sizes, off = [], [], [], [], 0
         for i, (req, n, k) in enumerate(zip(sched.requests, sched.num_tokens, sched.num_drafts)):
-            path = paths.get(i)  # None: mid-prefill, every token is committed
-            committed = (list(range(off, off + n - k)) + [off + n - k + node for node in path] if path is not None
-                         else list(range(off, off + n)))
+            # (mid-prefill: no drafts, no path, every row committed)
+            committed = list(range(off, off + n - k)) + [off + n - k + node for node in paths.get(i, ())]
             index += committed
             ids.append(req.request_id)
             starts.append(req.num_computed_tokens)
@@ -223,17 +220,14 @@ class SpecDecoder:
         if not (self._speculate(batch, bool(eligible), step_start) if self.policy.adaptive else eligible):
             return  # nothing to draft for, a plain step to measure, or speculation measured slower
         states = [self._state(r) for r, _ in eligible]
-        trees: list[DraftTree | None] = [None] * len(eligible)
-        probes = [False] * len(eligible)
-        if self.proposer is not None:
-            trees, probes = self._draft(eligible, states, batch)
+        trees = self._draft(eligible, states, batch) if self.proposer is not None else [None] * len(eligible)
         if self.lookup is not None:
             chains = self.lookup.lookup([r.request_id for r, _ in eligible], [r.all_token_ids for r, _ in eligible],
                                     [min(self.lookup.k, room) for _, room in eligible])
             for j, chain in enumerate(chains):
                 if chain:
                     trees[j], states[j].chain_nodes = (trees[j] or NO_DRAFTS).graft(chain)
-        self._select(eligible, states, trees, probes, batch)
+        self._select(eligible, states, trees, batch)
         self.log.maybe(self.stats)
 
     def _speculate(self, batch: int, eligible: bool, step_start: float) -> bool:
@@ -251,17 +245,17 @@ class SpecDecoder:
         self._interval = (now, batch, spec, self._interval is not None and self._interval[2])
         return spec
 
-    def _draft(self, eligible, states, batch: int) -> tuple[list[DraftTree | None], list[bool]]:
-        """The per-request proposer, for the requests where it pays (and probes)."""
+    def _draft(self, eligible, states, batch: int) -> list[DraftTree | None]:
+        """The per-request proposer, for the requests where it pays (and probes: `drafted`
+        with the gate off)."""
         chosen = [j for j, s in enumerate(states) if self.policy.draft_pays(s, batch, self._num_drafted)]
-        probes = [not states[j].gate.on and j in chosen for j in range(len(eligible))]
         trees: list[DraftTree | None] = [None] * len(eligible)
         ks = [min(self.max_drafts, room) for _, room in eligible]
         if self.proposer.name == "draft_model":  # its KV goes to the slots of the next verify step
             chosen = [j for j in chosen if self.kv.try_allocate(eligible[j][0], 1 + ks[j])]
         self._num_drafted = max(1, len(chosen))
         if not chosen:
-            return trees, probes
+            return trees
         reqs = [eligible[j][0] for j in chosen]
         batch_in = ProposeBatch(
             [r.request_id for r in reqs], [r.all_token_ids for r in reqs],
@@ -275,11 +269,11 @@ class SpecDecoder:
         for j, tree in zip(chosen, drafted):
             trees[j] = tree
             states[j].drafted = True
-        return trees, probes
+        return trees
 
-    def _select(self, eligible, states, trees, probes, batch: int) -> None:
+    def _select(self, eligible, states, trees, batch: int) -> None:
         cands, values, probe, where = [], [], [], []
-        for j, ((req, room), state, tree) in enumerate(zip(eligible, states, trees)):
+        for (req, room), state, tree in zip(eligible, states, trees):
             if tree is not None and state.grammar is not None:
                 tree, state.masks, state.chain_nodes = cut(tree, state.grammar, state.chain_nodes)
             if tree is None or not len(tree):
@@ -288,12 +282,10 @@ class SpecDecoder:
             state.unverified += 1
             cands.append(tree)
             values.append(self.policy.values(state, tree) if self.policy.adaptive else None)
-            probe.append(probes[j] or state.unverified >= state.probe_every)
-            where.append(j)
+            probe.append((state.drafted and not state.gate.on) or state.unverified >= state.probe_every)
+            where.append((req, room, state))
         keep = self.policy.select(batch, cands, values, probe, self.max_rows)
-        for j, tree, nodes in zip(where, cands, keep):
-            req, room = eligible[j]
-            state = states[j]
+        for (req, room, state), tree, nodes in zip(where, cands, keep):
             # depth first, first choices first (parents first: a prefix is still a tree); the
             # kept nodes of a depth-first tree already are, taken in index order
             nodes = sorted(nodes[:room]) if tree.dfs else preorder(tree.parents, nodes[:room])

@@ -26,7 +26,6 @@ from specserve.host import int_tensor
 from specserve.model.arch import ModelArch
 from specserve.model.loader import resolve_model_dir
 from specserve.model.runner import ModelRunner
-from specserve.request import SamplingParams
 from specserve.sampling import SamplingBatch, exponential_noise, processed_probs, row_argmax, top_logprobs
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 
@@ -68,7 +67,6 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:
         n = len(batch.request_ids)
-        ks = batch.max_drafts
         tokens: list[list[int]] = [[] for _ in range(n)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
         scores: list[list[float]] = [[] for _ in range(n)]
@@ -80,7 +78,7 @@ class DraftModelProposer:
                 self._forward([batch.block_ids[j]], [starts[j]], [chunk])
                 starts[j] += len(chunk)
                 feed[j] = feed[j][len(chunk):]
-        active = [j for j in range(n) if ks[j] > 0]
+        active = [j for j in range(n) if batch.max_drafts[j] > 0]
         while active:
             logits = self._forward([batch.block_ids[j] for j in active], [starts[j] for j in active],
                                    [feed[j] for j in active])
@@ -92,7 +90,7 @@ class DraftModelProposer:
                     probs[j].append(q[row])
                 starts[j] += len(feed[j])
                 feed[j] = [toks[row]]
-            active = [j for j in active if len(tokens[j]) < ks[j] and scores[j][-1] >= batch.min_score]
+            active = [j for j in active if len(tokens[j]) < batch.max_drafts[j] and scores[j][-1] >= batch.min_score]
         out: list[DraftTree | None] = []
         for j, rid in enumerate(batch.request_ids):
             self._state[rid] = (len(batch.token_ids[j]), tokens[j][:-1])
@@ -136,7 +134,8 @@ class DraftModelProposer:
             logq, ids = top_logprobs(logits, 1)
             return ids[:, 0].tolist(), logq[:, 0].tolist(), None
         greedy_ids = row_argmax(logits)
-        params = [_no_penalties(batch.params[j]) for j in rows]
+        params = [replace(p, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+                  if (p := batch.params[j]).has_penalties else p for j in rows]  # penalties: verification's
         positions = [len(batch.token_ids[j]) + d for j, d in zip(rows, done)]
         # a seeded request is verified against the target's own draws (coupled): drafting with
         # the same noise makes the draft's choice the target's wherever q and p agree; otherwise
@@ -149,9 +148,3 @@ class DraftModelProposer:
         ids = torch.where(b.greedy, greedy_ids, row_argmax(q / noise.to(q.dtype)))
         logq = torch.log(q.gather(1, ids[:, None])[:, 0].clamp_min(1e-30))
         return ids.tolist(), logq.tolist(), q
-
-
-def _no_penalties(p: SamplingParams) -> SamplingParams:
-    if not p.has_penalties:
-        return p
-    return replace(p, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)

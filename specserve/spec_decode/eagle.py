@@ -86,8 +86,6 @@ class EagleProposer:
 
         m = num_speculative_tokens
         self.m, self.depth, self.topk = m, min(4, m) if depth is None else depth, 2 if topk is None else topk
-        if self.m < 1 or self.depth < 1 or self.topk < 1:
-            raise ValueError("speculative_config: num_speculative_tokens, depth and topk must be >= 1")
         param = target_model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
         self.on_cpu = self.device.type == "cpu"
@@ -126,12 +124,6 @@ class EagleProposer:
         self.cache.pop(request_id, None)
 
     # -- drafting ---------------------------------------------------------------------------------
-    def _pass(self, feats: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-              segments: list[Segment]) -> torch.Tensor:
-        """One head pass over the rows of several requests: feats [N, hidden], ids and positions
-        [N] -> outputs [N, hidden]."""
-        return self.draft(feats, self.embed.index_select(0, ids), positions, segments)
-
     def _catch_up(self, caches: list[_HeadCache], token_ids: list[list[int]]) -> None:
         """Run the head over every committed pair up to the last token of each request, in one
         pass for all of them."""
@@ -143,8 +135,8 @@ class EagleProposer:
             window = self.window if c.pairs else self.prompt_window
             if n - c.pairs > window:  # a long gap since its last run, or a long prompt: the last ones
                 cut = n - window
-                c.base, c.feats, c.kv, c.pairs, c.last_out = c.base + cut, c.feats[cut:], HeadKV(), 0, None
-                c.dropped = 0
+                c.base, c.feats, c.dropped, c.kv = c.base + cut, c.feats[cut:], 0, HeadKV()
+                c.pairs, c.last_out = 0, None
                 n = window
             p = min(c.pairs, n - 1)  # rolled back exactly to here: recompute the last pair
             todo.append((c, n))
@@ -153,7 +145,7 @@ class EagleProposer:
                 acc.extend(new)
         if todo:
             ids, positions = int_tensor([rows[1], rows[2]], self.device).unbind()  # one tensor call, not two
-            out = self._pass(torch.stack(rows[0]), ids, positions, rows[3])
+            out = self.draft(torch.stack(rows[0]), self.embed.index_select(0, ids), positions, rows[3])
             end = -1
             for (c, n), seg in zip(todo, rows[3]):
                 end += seg.rows
@@ -189,7 +181,7 @@ class EagleProposer:
                 return
             active, ids, positions, src, masks = step
             segments = [Segment(grow[b].cache.kv, past, f, mask) for b, (mask, past, f) in zip(active, masks)]
-            out = self._pass(out.index_select(0, src), ids, positions, segments)
+            out = self.draft(out.index_select(0, src), self.embed.index_select(0, ids), positions, segments)
             self._add_children([grow[b] for b in active], [grow[b].frontier for b in active], out, min_score)
 
     def _add_children(self, grow, parents: list[list[int]], outs: torch.Tensor, min_score: float) -> None:
@@ -213,8 +205,6 @@ def _rerank(tokens: list[int], parents: list[int], scores: list[float], m: int,
     """The m best-scored nodes scoring at least min_score (ties: earlier node first), depth
     first (siblings in creation order: best first), re-indexed, with their scores. A child
     scores at most its parent (log q <= 0) and comes after it, so those nodes are a tree."""
-    best = sorted(range(len(tokens)), key=scores.__getitem__, reverse=True)[:m]  # stable: ties keep order
-    while best and scores[best[-1]] < min_score:
-        best.pop()
-    best.sort()
+    best = sorted(i for i in sorted(range(len(tokens)), key=scores.__getitem__, reverse=True)[:m]  # stable
+                  if scores[i] >= min_score)
     return DraftTree(tokens, parents, None, scores).select(preorder(parents, best), True)

@@ -152,16 +152,7 @@ class DraftPass:
     def __call__(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:
         """features, embeds [N, hidden]; positions [N] -> predicted next features [N, hidden]."""
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            outs, at = [], 0
-            for seg in segments:
-                rows = slice(at, at + seg.rows)
-                outs.append(_attend_in_place(q[rows], *seg.kv.write(seg.past, k[rows], v[rows]), seg.mask, seg.past))
-                at += seg.rows
-            return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-        return self.run(features, embeds, positions, attend)
+        return self.run(features, embeds, positions, partial(_attend_in_place, segments))
 
     def run(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """The network over rows [N, hidden], `attend(q [N, H, D], k, v [N, Hkv, D])` giving the
@@ -185,13 +176,18 @@ class DraftPass:
         return x + self.down(F.silu(gate) * up)
 
 
-def _attend_in_place(q, keys, values, mask, past: int) -> torch.Tensor:
-    """q [T, H, D] against keys/values [Hkv, S, D] read in place (SDPA's grouped-query mode,
-    4-D: on CPU the 3-D or repeated-K/V forms take the slow math kernel) -> [T, H*D]."""
-    t = q.shape[0]
-    if mask is None and t > 1:  # causal over the new entries after the past ones
-        mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                         attn_mask=mask, enable_gqa=True)
-    return out[0].transpose(0, 1).reshape(t, -1)
-
+def _attend_in_place(segments: list[Segment], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [N, H, D], k/v [N, Hkv, D]: each segment's rows written to its HeadKV and attending
+    there in place (SDPA's grouped-query mode, 4-D: on CPU the 3-D or repeated-K/V forms take
+    the slow math kernel) -> [N, H*D]."""
+    outs, at = [], 0
+    for seg in segments:
+        t, past, mask = seg.rows, seg.past, seg.mask
+        keys, values = seg.kv.write(past, k[at:at + t], v[at:at + t])
+        if mask is None and t > 1:  # causal over the new entries after the past ones
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)
+        out = F.scaled_dot_product_attention(q[at:at + t].transpose(0, 1)[None], keys[None], values[None],
+                                             attn_mask=mask, enable_gqa=True)
+        outs.append(out[0].transpose(0, 1).reshape(t, -1))
+        at += t
+    return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -26,23 +26,20 @@ from specserve.model.arch import ModelArch
 
 def _read(model_dir: Path | str, names: tuple[str, ...], prefix: str):
     """-> (config.json as a dict, the first weights file of `names` without `prefix`, d2t)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    state = {k.removeprefix(prefix): v for k, v in read_weights(Path(model_dir), names).items()}
+    model_dir = Path(model_dir)
+    path = next((model_dir / n for n in names if (model_dir / n).is_file()), None)
+    if path is None:
+        raise ValueError(f"speculative_config: no weights ({', '.join(names)}) in {model_dir}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = state.get("state_dict", state) if isinstance(state, dict) else state
+    state = {k.removeprefix(prefix): v for k, v in state.items()}
     d2t = state.pop("d2t", None)
-    return cfg, state, (d2t.long() if d2t is not None else None)
-
-
-def read_weights(model_dir: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    for name in names:
-        path = Path(model_dir) / name
-        if path.is_file():
-            if path.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                return load_file(str(path))
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            return state.get("state_dict", state) if isinstance(state, dict) else state
-    raise ValueError(f"speculative_config: no weights ({', '.join(names)}) in {model_dir}")
+    return json.loads((model_dir / "config.json").read_text()), state, (d2t.long() if d2t is not None else None)
 
 
 def _check_hidden(hidden: int, target: ModelArch, what: str) -> None:
@@ -76,10 +73,9 @@ def load_medusa(model_dir: Path | str, target: ModelArch):
                             "medusa_head.")
     num_heads = int(cfg.get("medusa_num_heads", 1 + max(int(k.split(".")[0]) for k in state)))
     num_layers = int(cfg.get("medusa_num_layers", 1))
-    own_lm_head = f"0.{num_layers}.weight" in state
     hidden = state["0.0.linear.weight"].shape[1]
     _check_hidden(hidden, target, "Medusa heads")
-    vocab = state[f"0.{num_layers}.weight"].shape[0] if own_lm_head else 0
+    vocab = state[lm].shape[0] if (lm := f"0.{num_layers}.weight") in state else 0  # 0: the target's LM head
     heads = MedusaHeads(num_heads, num_layers, hidden, vocab)
     heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return heads.float().eval(), d2t

@@ -42,7 +42,6 @@ class MedusaHeads(nn.ModuleList):
             heads.append(nn.Sequential(*blocks))
         super().__init__(heads)
         self.num_heads, self.num_layers, self.hidden_size, self.vocab = num_heads, num_layers, hidden, vocab
-        self.fused: torch.Tensor | None = None  # [K, V, hidden]: the own LM heads, see fuse_lm_heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden] -> [K, N, hidden]: each head's residual blocks (before any LM head)."""
@@ -54,20 +53,10 @@ class MedusaHeads(nn.ModuleList):
             out.append(f)
         return torch.stack(out)
 
-    def fuse_lm_heads(self) -> None:
-        """Each head's own LM head weight becomes a view of one [K, V, hidden] tensor, so that
-        `logits` takes one batched product for all heads (inference; not with int8 heads)."""
-        w = torch.stack([head[self.num_layers].weight.detach() for head in self])
-        for head, wk in zip(self, w):
-            head[self.num_layers].weight = nn.Parameter(wk, requires_grad=False)
-        self.fused = w
-
     def logits(self, x: torch.Tensor, lm_head) -> torch.Tensor:
         """x: [N, hidden] -> [K, N, V'] with each head's own LM head, else `lm_head` ([rows,
         hidden] -> [rows, V'], the target's, maybe restricted; one product for all heads)."""
         feats = self(x)
-        if self.fused is not None:
-            return torch.bmm(feats, self.fused.transpose(1, 2))
         if self.vocab:
             return torch.stack([head[self.num_layers](f) for head, f in zip(self, feats)])
         return lm_head(feats.reshape(-1, feats.shape[-1])).view(*feats.shape[:2], -1)
@@ -82,19 +71,13 @@ DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
 )
 
 
-def tree_from_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
-    """The rank paths (their form checked by SpecConfig) no deeper than the heads reach,
-    shorter first."""
+def medusa_plan(choices, num_heads: int) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The rank paths (their form checked by SpecConfig) no deeper than the heads reach, shorter
+    first, as (head, rank, index of the path's prefix or -1), and their indices depth first
+    (the paths in lexicographic order)."""
     paths = sorted({tuple(c) for c in choices if len(c) <= num_heads}, key=lambda c: (len(c), c))
     if not paths:
-        raise ValueError(f"speculative_config.medusa_tree: every path is deeper than the "
-                         f"{num_heads} heads")
-    return paths
-
-
-def medusa_plan(paths: list[tuple[int, ...]]) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """The rank paths (shorter first) as (head, rank, index of the path's prefix or -1), and
-    their indices depth first (the paths in lexicographic order)."""
+        raise ValueError(f"speculative_config.medusa_tree: every path is deeper than the {num_heads} heads")
     where = {p: i for i, p in enumerate(paths)}
     return ([(len(p) - 1, p[-1], where.get(p[:-1], -1)) for p in paths],
             sorted(range(len(paths)), key=paths.__getitem__))
@@ -123,10 +106,7 @@ class MedusaProposer:
         f32_kernel = not quantize and f32_kernel_for(w, target_model.arch.hidden_size,
                                                      target_model.arch.intermediate_size)
         self.lm_head, self.d2t = draft_lm_head(self.heads, w, d2t, quantize, f32_kernel)  # spec_decode.quant
-        if heads.vocab and not quantize:
-            self.heads.fuse_lm_heads()
-        paths = tree_from_choices(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
-        self.plan, self.dfs = medusa_plan(paths)
+        self.plan, self.dfs = medusa_plan(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.width = 1 + max(rank for _, rank, _ in self.plan)  # top-k each head needs
         d2t_host = None if self.d2t is None else self.d2t.cpu()  # (read by the C only for CPU logits)
         self._trees = layer_ops.medusa_tree_builder(heads.num_heads, self.width, d2t_host, torch.tensor(self.plan),

@@ -53,7 +53,7 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
     if config.method is None:
         return SpecDecoder(runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens)
     k = config.num_speculative_tokens
-    proposer, lookup, chain = None, None, 0
+    proposer, chain = None, 0
     if config.method == "ngram":
         chain = k
     elif config.method == "draft_model":
@@ -64,8 +64,7 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
     else:
         proposer = _tree_proposer(config, runner, model_config.model, max_model_len)
         chain = 4 * config.extra.get("lookup_branch", LOOKUP_BRANCH)
-    if chain:
-        lookup = NgramProposer(chain, config.prompt_lookup_min, config.prompt_lookup_max)
+    lookup = NgramProposer(chain, config.prompt_lookup_min, config.prompt_lookup_max) if chain else None
     adaptive = config.extra.get("adaptive", True)
     max_drafts = (k if proposer is not None else 0) + chain
     cost = StepCostModel.measure(runner, kv, min(scheduler_config.max_num_batched_tokens, 64)) if adaptive else None

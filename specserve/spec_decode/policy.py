@@ -195,10 +195,8 @@ class SpecPolicy:
         # a request without drafts advances one token either way: the step may cost no more
         # than a plain one, FAIRNESS aside (see _worst_served)
         if self._may_pay(batch, values, max_rows, beat, limit if len(trees) < batch else math.inf):
-            nodes = [(-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
-                     for i, d in enumerate(t.depth)]
-            nodes.sort()
-            nodes = nodes[:max(0, max_rows - batch)]
+            nodes = sorted((-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
+                           for i, d in enumerate(t.depth))[:max(0, max_rows - batch)]
         if nodes:
             gained = batch - np.cumsum([n[0] for n in nodes])  # tokens after the first n nodes
             n_rows = batch + np.arange(1, len(nodes) + 1)

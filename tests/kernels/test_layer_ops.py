@@ -87,10 +87,10 @@ def test_rows_view_says_what_the_kernels_can_read_and_draft_top_k_hands_them_ove
 
 @pytest.mark.parametrize("min_score,d2t", [(-math.inf, False), (-6.0, True), (-4.5, False)])
 def test_medusa_trees_is_the_python_walk(min_score, d2t):
-    from specserve.spec_decode.medusa import DEFAULT_MEDUSA_TREE, medusa_plan, tree_from_choices
+    from specserve.spec_decode.medusa import DEFAULT_MEDUSA_TREE, medusa_plan
     from tests import tree_reference
 
-    plan, dfs = medusa_plan(tree_from_choices(DEFAULT_MEDUSA_TREE, 4))
+    plan, dfs = medusa_plan(DEFAULT_MEDUSA_TREE, 4)
     g = torch.Generator().manual_seed(1)
     heads, b, width = 4, 6, 4
     logits = 3 * torch.randn(heads * b, 300, generator=g)  # row k * b + j: head k, request j
