@@ -1,22 +1,15 @@
-"""The measured cost of a decode step on the machine the engine runs on.
+"""The measured cost of a decode step on the machine the engine runs on (the reasoning and its
+measurements: docs/speculation.md, "The cost model and the policy").
 
 `StepCostModel` predicts the seconds of a decode-only target step of B requests verifying R
 rows (B plus every draft node): t(B, R) = plain(B) [+ rows(R) - rows(B) + (R - B) extra(B)
-when R > B]. rows(R) is measured at engine start on one request and refined by live steps of
-one request (nearly flat where a GEMM over 8 rows costs what one row costs, linear where it
-costs 8 times as much); plain(B) is measured at start at a few batch sizes, then by live plain
-steps at each (interpolated between them where none ran yet); extra(B), what a draft row costs
-beyond the curve, is learned from live steps with drafts (`observe`). A step with drafts is
-always predicted against the plain step of its own B, so the two move together.
-
-`Realized` checks the model's decisions against the wall clock: per batch-size bucket, whole
-steps with speculation against plain ones, in seconds per token over the model's plain step
-time (speculation's as a ratio of decayed sums: per-step ratios would overstate its cost).
-Where speculation measures slower it is switched off and tried again in short runs at
-doubling intervals: a model error cannot cost more than a probe.
-
-`Curve` is the table behind both and behind drafting costs. Nothing here is a constant true of
-one CPU: every number comes from a measurement.
+when R > B], rows(R) measured at engine start and refined by live steps of one request,
+plain(B) measured at start and by live plain steps, extra(B) learned from live steps with
+drafts. A step with drafts is always predicted against the plain step of its own B.
+`Realized` checks the model's decisions against the wall clock, per batch-size bucket, and
+switches speculation off where it measures slower (probing again at doubling intervals).
+`Curve` is the table behind both and behind drafting costs. No number here is a constant true
+of one CPU: every one comes from a measurement.
 """
 
 from __future__ import annotations
@@ -167,7 +160,6 @@ class StepCostModel:
         """Seconds per row of adding `rows` draft rows to a plain step of `batch` requests."""
         return (self.step_time(batch, batch + rows) - self.step_time(batch, batch)) / max(1, rows)
 
-    # -- measurement at start -------------------------------------------------------------------
     @staticmethod
     def measure(runner, kv, max_rows: int) -> "StepCostModel":
         """Time target forwards of 1 .. max_rows rows (one request) and of plain steps of 4 and
@@ -210,15 +202,10 @@ class _Off:
 
 
 class Realized:
-    """Whether steps with speculation are faster than plain steps, as measured end to end.
-
-    A bucket's speculative rate is a ratio of sums, seconds over tokens, each step's seconds
-    relative to the model's plain step time: a step with drafts emits 1 to k + 1 tokens per
-    request, and a mean of per-step seconds per token would count a one-token step's time
-    once in full, making speculation that alternates one and four tokens per step look as
-    slow as plain. The sums decay at every step of the bucket, plain ones included, so that
-    after a long plain stretch a probe run's few steps outweigh what was measured before it.
-    Plain steps emit one token per request: their mean of seconds per token is exact."""
+    """Whether steps with speculation are faster than plain steps, as measured end to end. A
+    bucket's speculative rate is a ratio of decayed sums (seconds relative to the model's plain
+    step time, over tokens): a mean of per-step ratios would count a one-token step in full.
+    The sums decay at every step of the bucket, so a probe run outweighs an old verdict."""
 
     def __init__(self, margin: float = 0.02, decay: float = 0.95) -> None:
         self.margin = margin  # speculation must beat plain by this much to stay on

@@ -7,12 +7,10 @@ Every engine has one, speculating or not. Per step:
     specserve.sampling.verify_trees (no drafts: plain sampling); accepted paths' KV moved into
     place in one call per layer; the proposer shown the new target features; the policy
     learns from what was accepted;
-  * `propose(running)`: drafts for the next step: a proposer with a cost per request (a head,
-    a draft model) where the policy says it pays, prompt lookup (ngram, and the chain grafted
-    onto every tree) for every request; then the policy keeps, over the whole batch, the nodes
-    worth their rows (specserve.spec_decode.policy).
-Per-request state lives in `self.states`, from a request's first step until `free`
-(finished or preempted).
+  * `propose(running)`: drafts for the next step: a proposer with a cost per request where the
+    policy says it pays, prompt lookup (grafted onto every tree) for every request; then the
+    policy keeps the nodes worth their rows over the whole batch (spec_decode.policy).
+Per-request state lives in `self.states`, from a request's first step until `free`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
 """Draft-model proposer: a smaller model with the target's vocabulary drafts a chain.
 
-KV: the draft has its own paged KV tensors with as many blocks as the target's (the engine
-sizes both from one budget), addressed by the request's one block table, so allocation,
-prefix sharing, rollback and freeing carry over. The decoder reserves the next verify step's
-slots before drafting. Per request a cache over committed tokens records what the draft's KV
-holds: positions [0, N) plus the fed drafts; next step the valid prefix is N plus the drafts
-the target accepted, clipped to the target's computed length. The first draft forward of a
-step catches up on every token not seen yet, batched with the other requests.
-
-Per step: k draft forwards, each batched over the drafting requests. Greedy requests take the
-argmax; sampled ones draw from the draft's distribution under their own temperature, top-k,
-top-p and min-p (penalties are verification's business) with noise from their seed (salted
-unless the request is seeded: coupled drafting), and that q travels with the chain
-(DraftTree.probs). Scores are the chain's cumulative log q.
+KV: the draft has its own paged KV tensors with as many blocks as the target's, addressed by
+the request's one block table, so allocation, prefix sharing, rollback and freeing carry over
+(docs/speculation.md); the decoder reserves the next verify step's slots before drafting. Per
+request a cache records what the draft's KV holds: the committed positions [0, N) plus the
+fed drafts; next step the valid prefix is N plus the drafts the target accepted, clipped to
+the target's computed length. Per step: k draft forwards, each batched over the drafting
+requests (the first also catches up on every token not seen yet). Greedy requests take the
+argmax; sampled ones draw from the draft's distribution under their own sampling parameters
+(penalties are verification's business) with noise from their seed (salted unless the request
+is seeded: coupled drafting), and that q travels with the chain (DraftTree.probs). Scores are
+the chain's cumulative log q.
 """
 
 from __future__ import annotations
@@ -63,7 +61,6 @@ class DraftModelProposer:
     def free(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 
-    # -- proposing --------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:
         n = len(batch.request_ids)

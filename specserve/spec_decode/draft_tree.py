@@ -1,16 +1,13 @@
 """DraftTree, the one record every proposer returns, and the Proposer protocol with its inputs.
 
 A draft is a tree of candidate tokens hanging off a request's last committed token (the
-root). Nodes come parents first; `parents[i]` is node i's parent, -1 for a child of the root.
-A chain (n-gram, draft model) is the tree whose node i has parent i - 1. Siblings are distinct.
+root). Nodes come parents first; `parents[i]` is node i's parent, -1 for a child of the root;
+siblings are distinct; a chain (n-gram, draft model) is the tree whose node i has parent i - 1.
 `probs`: the distribution each node was drawn from (q of the rejection rule) when the method
-samples its drafts (a draft model on a sampled request; such a tree is a chain); None means
-one-hot nodes (lookup, a head's top-k), exact for sampled requests too. `scores`: the log
-draft probability of each node's whole path (None for methods without one: the cost model
-then uses measured acceptance by depth). `dfs`: the nodes are in depth-first order (each
-subtree contiguous after its root, a node's first child first), the order a verified tree's KV
-wants (see `preorder`); a proposer that builds its trees so says it, and the decoder then skips
-reordering them.
+samples its drafts (chains only); None means one-hot nodes, exact for sampled requests too.
+`scores`: the log draft probability of each node's path (None: no score; the cost model then
+uses measured acceptance by depth). `dfs`: the nodes are in depth-first order, a node's first
+child first (see `preorder`), the order verification wants: the decoder then keeps it as is.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
-"""EagleProposer: EAGLE-2 dynamic draft trees from a feature-level head, batched over requests.
+"""EagleProposer: EAGLE-2 dynamic draft trees from a feature-level head, batched over requests
+(the method and its measurements: docs/eagle.md).
 
 Per request the proposer keeps a cache, never the truth: the target features it was shown
 (`observe`) until their pairs have run (but the last: a rollback may run it again) or have
 fallen out of the next catch-up's window, and the head's K/V of the committed pairs
 (f_t, x_{t+1}), t < P (specserve.spec_decode.eagle_head). `propose`, for a batch of requests:
-
-  1. catch up: one head pass over every request's committed pairs not run yet (the last
-     step's accepted tokens; all since the request was last drafted for; the prompt at first),
-     at most PROMPT_WINDOW of them on its first pass (a long prompt's last ones) and
-     CATCH_UP_WINDOW after that (after a longer gap the head's cache restarts from the last
-     ones): a gated-off head's probe, or a request arriving under load, costs a bounded pass;
-     its last output gives the root's draft distribution;
-  2. grow (EAGLE-2, Li et al. 2024): depth 1 takes the root's top-k tokens scored by their
-     log-probability; each further depth runs the k best nodes of the last depth of every
-     request through the head in one pass (each sees its request's pairs, its ancestors and
-     itself) and adds their top-k children, score = parent score + log q(child);
-  3. rerank: each request's m best-scored nodes (a tree: ancestors score at least as high),
-     parents first.
-Nodes scoring below `batch.min_score` (the cost model's: they cannot pay their row) are neither
-expanded nor returned. Linear layers, LM head and top-k run once per pass for the batch, with
-one host synchronisation per depth; attention reads each request's head K/V in place.
-
+  1. catch up: one head pass over every request's committed pairs not run yet, at most
+     PROMPT_WINDOW on its first pass and CATCH_UP_WINDOW after that;
+  2. grow: depth 1 takes the root's top-k; each further depth runs the k best nodes of the last
+     depth of every request through the head in one pass and adds their top-k children, score
+     = parent score + log q(child) (the bookkeeping in C: layer_ops.eagle_children and
+     eagle_next_pass, one host synchronisation per depth);
+  3. rerank: each request's m best-scored nodes (a tree: ancestors score at least as high).
+Nodes scoring below `batch.min_score` (the cost model's) are neither expanded nor returned.
 Nodes are the draft's deterministic top-k, so trees carry no probabilities (one-hot q) and
 verification stays exact under sampling. With `d2t` in the checkpoint the head scores only
 those N frequent tokens (logits = f_hat @ W_lm[d2t].T) and ids map back through d2t.
@@ -43,10 +35,8 @@ from specserve.spec_decode.eagle_head import DraftPass, HeadKV, Segment
 from specserve.spec_decode.quant import draft_linear, draft_lm_head, f32_kernel_for
 
 DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smollm2-135m"
-CATCH_UP_WINDOW = 32  # most pairs a catch-up runs per request after a gap (a head gated off for
-# many steps): its cache restarts from the last ones, as after a prefix-cache hit
-PROMPT_WINDOW = 64  # most pairs of a request's first pass: the prompt's last ones (Spec-Bench
-# acceptance as with whole prompts, docs/benchmarks.md; a request arriving under load pays less)
+CATCH_UP_WINDOW = 32  # most pairs a catch-up runs after a gap: the head's cache restarts from the last ones
+PROMPT_WINDOW = 64  # most pairs of a request's first pass: the prompt's last ones (docs/eagle.md)
 
 
 @dataclass
@@ -101,7 +91,6 @@ class EagleProposer:
         self.cache: dict[str, _HeadCache] = {}
         self.window, self.prompt_window = CATCH_UP_WINDOW, PROMPT_WINDOW
 
-    # -- state ------------------------------------------------------------------------------------
     def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
         """Target features of positions start .. start + n - 1 (the next n rows of hidden);
         anything cached at or past `start` is dropped first (rollback, recompute)."""
@@ -123,7 +112,6 @@ class EagleProposer:
     def free(self, request_id: str) -> None:
         self.cache.pop(request_id, None)
 
-    # -- drafting ---------------------------------------------------------------------------------
     def _catch_up(self, caches: list[_HeadCache], token_ids: list[list[int]]) -> None:
         """Run the head over every committed pair up to the last token of each request, in one
         pass for all of them."""

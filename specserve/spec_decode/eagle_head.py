@@ -1,20 +1,14 @@
-"""The EAGLE draft head: one decoder layer over (target feature, next-token embedding).
-
-EAGLE (Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", 2024)
-drafts at the feature level. For a sequence x_0..x_n with target features f_0..f_{n-1} (the
-final hidden states after the last norm, i.e. the LM head's input; f_t predicts x_{t+1}), the
-head reads the pair (f_t, x_{t+1}) at position t and predicts f_{t+1}:
+"""The EAGLE draft head: one decoder layer over (target feature, next-token embedding), read at
+position t as the pair (f_t, x_{t+1}) and predicting f_{t+1} (docs/eagle.md):
 
     h = fc(concat(embed(x_{t+1}), f_t))          # 2*hidden -> hidden
     h = h + attn(h)                              # layer 0 has no input norm (EAGLE-1)
     f_hat_{t+1} = h + mlp(post_attention_layernorm(h))
 
-and the target's own LM head turns f_hat into draft logits (no final norm). Parameter names
-follow the public EAGLE-1 checkpoint layout (`fc.*`, `layers.0.self_attn.q_proj.weight`, ...),
-so `state_dict()` of this module is such a checkpoint.
-
-`DraftPass` runs the same network for drafting, over several requests' rows at once. This
-module is the network only: the per-request KV cache and tree expansion live in
+and the target's own LM head turns f_hat into draft logits. `EagleHead` holds the parameters
+in the public EAGLE-1 checkpoint layout (`fc.*`, `layers.0.self_attn.q_proj.weight`, ...);
+`DraftPass` is the network, as drafting runs it over several requests' rows at once and as
+training runs it (EagleHead.forward). The per-request cache and tree expansion live in
 specserve.spec_decode.eagle, checkpoint files in specserve.spec_decode.heads_io.
 """
 
@@ -120,13 +114,11 @@ class EagleHead(nn.Module):
 
 
 class DraftPass:
-    """The head as drafting runs it, over the rows of several requests at once: x [N, hidden]
-    one request's rows after another, each request's new K/V written to its HeadKV and its
-    rows attending there in place (`Segment`). Built from the head's weights: q/k/v and
-    gate/up fused into one product each, every product a `linear(weight, bias)` (int8, our
-    float32 kernel or PyTorch's: spec_decode.quant), and on a CPU float32 head the rotary
-    embedding, the residual add with its norm and the MLP activation in one layer_ops call
-    each (`fused`). At a pass of a few rows the head's time is dispatches, not arithmetic.
+    """The head as drafting runs it, over the rows of several requests at once, each request's
+    new K/V written to its HeadKV and its rows attending there in place (`Segment`). Built from
+    the head's weights: q/k/v and gate/up fused into one product each, every product a
+    `linear(weight, bias)` (spec_decode.quant), and on a CPU float32 head the rotary, the
+    residual add with its norm and the MLP activation one layer_ops call each (`fused`).
     Training runs the same network (`run`) through EagleHead.forward."""
 
     def __init__(self, head: EagleHead, linear, fused: bool | None = None) -> None:

@@ -1,17 +1,9 @@
-"""Draft-head checkpoints: EAGLE-1 and Medusa public layouts, plus our restricted vocabulary.
-
-EAGLE-1 directory: config.json (a LlamaConfig with num_hidden_layers 1) and pytorch_model.bin
-or model.safetensors with `fc.weight`, `fc.bias`, `layers.0.self_attn.{q,k,v,o}_proj.weight`,
-`layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight`, and
-optionally `embed_tokens.weight` (a copy of the target's) and `layers.0.input_layernorm.weight`
-(absent in EAGLE-1, whose layer 0 has no input norm). Our own heads add `d2t` (int64 [N]:
-draft index -> target token id, ascending) when the draft scores only N frequent tokens, and
-config keys `draft_vocab_size`.
-
-Medusa directory: config.json with `medusa_num_heads` and `medusa_num_layers`, and
-medusa_lm_head.safetensors (or medusa_lm_head.pt) with `{k}.{l}.linear.weight/bias` for the
-residual blocks of head k and `{k}.{num_layers}.weight` for its own LM head (optional here:
-without it the head uses the target's LM head). Writing them: specserve.spec_decode.training.checkpoints.
+"""Draft-head checkpoints: the public EAGLE-1 and Medusa layouts (docs/eagle.md: "The EAGLE head",
+"Medusa"), plus our restricted vocabulary: `d2t` (int64 [N]: draft index -> target token id) in
+the weights when the draft scores only N frequent tokens. An EAGLE head without
+`layers.0.input_layernorm.weight` (EAGLE-1) has no input norm; Medusa heads without
+`{k}.{num_layers}.weight` use the target's LM head. Writing them:
+specserve.spec_decode.training.checkpoints.
 """
 
 from __future__ import annotations

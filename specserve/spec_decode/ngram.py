@@ -1,17 +1,12 @@
-"""Prompt lookup: copy what followed the context's suffix earlier on.
+"""Prompt lookup: copy what followed the context's suffix earlier on (docs/speculation.md).
 
 For each request, the longest suffix of its committed tokens (prompt_lookup_max down to
 prompt_lookup_min tokens) is looked up in the earlier prompt + output; the k tokens after its
 most recent occurrence become a one-hot chain (continuing over the copy itself when the match
 is recent, so a period-p loop still yields k tokens). Method "ngram" drafts with this alone;
-the tree methods graft its chain onto every tree.
-
-Each request keeps an index of its own n-grams (`NgramIndex`): every n-gram of the context
-that is followed by a token, mapped to the position of that token, the latest occurrence
-winning. Committed tokens only grow, so the index grows with them, a few dictionary entries
-per new token, and a lookup is at most prompt_lookup_max dictionary reads whatever the
-context's length (a scan of the context took tens of microseconds at 4k tokens, per request
-and step).
+the tree methods graft its chain onto every tree. Each request keeps an index of its own
+n-grams (`NgramIndex`) that grows with its committed tokens: a lookup is at most
+prompt_lookup_max dictionary reads whatever the context's length.
 """
 
 from __future__ import annotations

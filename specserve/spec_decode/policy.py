@@ -1,34 +1,17 @@
-"""How much to draft and verify, from measured costs and measured acceptance.
+"""How much to draft and verify, from measured costs and measured acceptance: the one
+draft-budget policy of every method (the reasoning and its measurements: docs/speculation.md,
+"The cost model and the policy").
 
-The one draft-budget policy of every method. A plain step of B requests emits B tokens in
-t(B, B) seconds (StepCostModel); verifying n draft nodes emits B + (expected accepted nodes)
-tokens in t(B, B + n) seconds.
-
-  * Node values: v(node) = P(the node ends on the accepted path). Scored nodes (a head's or a
-    draft model's path probability) read it from `ScoreCalibration`, learned from every
-    verified scored node; lookup nodes from `Rates` by depth, the request's own acceptance
-    at each depth shrunk towards the decoder-wide rate. A child is never worth more than its
-    parent, so the most valuable nodes always form trees.
-  * `select`: all candidate nodes of the batch, most valuable first; the count n maximising
-    (B + sum of the first n values) / t(B, B + n) is verified, none unless that beats plain by
-    `MARGIN`. Cheap rows get long drafts, rows costing what a token costs get none, and under
-    load a verify row competes with every other request's rows. No request may be slowed
-    down for the others: the step may cost at most (expected tokens of its worst-served
-    request) plain steps, `FAIRNESS` aside. A request without drafts (no lookup match, its
-    head gated off) emits one token either way, so its presence caps the step near a plain
-    one. Without this, a batch of requests of equal length that would run in lock step
-    drifts apart: the accepting ones finish early and the rest run at half speed, so the last
-    request of a batch (what a user waits for, and what a closed-loop load measures) ends
-    later than without speculation.
-  * `draft_pays`: a proposer with a cost per request (a head, a draft model) drafts for a
-    request only while its expected accepted tokens pay for its share of the drafting time
-    and its rows; otherwise the request is probed again after doubling intervals. A new
-    request starts from what drafting has given the requests before it (`gain`, 1 when
-    nothing is known yet; under load a drafting step whose tree selection refused counts as
-    0): under load, where a row costs much, a head that has been accepting little, or whose
-    trees were not worth their rows, does not run its first pass over every new request's
-    prompt.
-  * `min_score`: tree nodes that cannot pay the cheapest row are neither expanded nor returned.
+A plain step of B requests emits B tokens in t(B, B) seconds (StepCostModel); verifying n draft
+nodes emits B + (their expected accepted count) in t(B, B + n). Invariants:
+  * v(node) = P(the node ends on the accepted path), from `ScoreCalibration` for scored nodes
+    and from `Rates` by depth for lookup nodes; a child is never worth more than its parent, so
+    the most valuable nodes always form trees;
+  * `select` verifies the count of best nodes that maximises the step's rate, none unless that
+    beats plain by `MARGIN`, and no request advances slower than in a plain step (`FAIRNESS`);
+  * `draft_pays`: a proposer with a cost per request drafts for it only while its expected
+    accepted tokens pay for its share of drafting and its rows, else after doubling waits;
+  * `min_score`: nodes that cannot pay the cheapest row are neither expanded nor returned.
 With "adaptive": false the proposer drafts its maximum and all of it is verified.
 """
 
@@ -219,11 +202,8 @@ class SpecPolicy:
     def _may_pay(self, batch: int, values: list[np.ndarray], max_rows: int, threshold: float,
                  cap: float) -> bool:
         """Whether any count of nodes could beat `threshold` tokens per second in a step of at
-        most `cap` seconds: an upper bound of every rate `select` keeps, in Python floats
-        (most steps under load end here, and a step's few dozen numpy calls cost more than its
-        forward's noise). The best n nodes carry the n largest values, and for n in [lo, 2 lo)
-        the rate is at most (batch + the 2 lo - 1 largest values) / t(batch, batch + lo): the
-        step's time grows with its rows."""
+        most `cap` seconds, in Python floats (most steps under load end here): for n in
+        [lo, 2 lo) the rate is at most (batch + the 2 lo - 1 largest values) / t(batch, batch + lo)."""
         flat = sorted((x for v in values for x in v.tolist()), reverse=True)[:max(0, max_rows - batch)]
         total, lo, at = float(batch), 1, 0
         while lo <= len(flat):
@@ -251,11 +231,8 @@ class SpecPolicy:
     # -- learning --------------------------------------------------------------------------------
     def refused(self, state: RequestState, batch: int) -> None:
         """The proposer drafted for the request but none of it was worth verifying: a drafting
-        step that gained nothing, for the request's gate, and under load (batch > 1) for what
-        a new request starts from: where selection refuses most trees, new requests then start
-        with the head off instead of paying its first pass over their prompts. Alone, a
-        refused tree costs only its drafting, and a new request started off would lose its
-        first drafting steps, so there it does not count."""
+        step that gained nothing, for the request's gate and, under load (batch > 1), for what
+        a new request starts from (alone, a refused tree costs only its drafting)."""
         self._count_drafting(state.gate, 0.0, batch > 1)
 
     def _count_drafting(self, gate: Gate, gained: float, for_new_requests: bool) -> None:
