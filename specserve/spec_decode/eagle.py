@@ -193,6 +193,6 @@ def _rerank(tokens: list[int], parents: list[int], scores: list[float], m: int,
     """The m best-scored nodes scoring at least min_score (ties: earlier node first), depth
     first (siblings in creation order: best first), re-indexed, with their scores. A child
     scores at most its parent (log q <= 0) and comes after it, so those nodes are a tree."""
-    best = sorted(i for i in sorted(range(len(tokens)), key=scores.__getitem__, reverse=True)[:m]  # stable
-                  if scores[i] >= min_score)
+    ranked = sorted(range(len(tokens)), key=scores.__getitem__, reverse=True)[:m]  # stable: ties keep order
+    best = sorted(i for i in ranked if scores[i] >= min_score)
     return DraftTree(tokens, parents, None, scores).select(preorder(parents, best), True)
