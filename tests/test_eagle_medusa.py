@@ -4,6 +4,7 @@ shipped head does on the default model; the cost model's cut and a gated-off hea
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -525,7 +526,8 @@ def test_eagle_children_in_one_c_call_are_the_python_reference(with_map):
 def test_eagle_next_pass_in_one_c_call_is_the_python_reference():
     """The inputs of EAGLE's next head passes (rows, positions, parents' rows, masks over the
     committed pairs and each node's ancestors) and the trees' bookkeeping come the same from
-    the C call as from the plain-Python reference, over three depths."""
+    the C call as from the plain-Python reference, over three depths; also handed to a device
+    (here torch.device("cpu"): the one-copy path a GPU takes)."""
     from types import SimpleNamespace
 
     from specserve.spec_decode.eagle import _Growing
@@ -536,7 +538,8 @@ def test_eagle_next_pass_in_one_c_call_is_the_python_reference():
     pairs = [5, 0, 3] + list(range(7, 20))  # 16 requests: rows past any first guess of their number
     logits = [3 * torch.randn(2 * len(pairs), 50, generator=g) for _ in range(4)]
     runs = []
-    for next_pass in (layer_ops.eagle_next_pass, tree_reference.eagle_next_pass):
+    on_device = partial(layer_ops.eagle_next_pass, device=torch.device("cpu"))
+    for next_pass in (layer_ops.eagle_next_pass, on_device, tree_reference.eagle_next_pass):
         grow = [_Growing(SimpleNamespace(pairs=p, kv=None), 20 + p, 8) for p in pairs]
         prop._add_children(grow, [[-1]] * len(pairs), logits[0][:len(pairs)], -3.0)
         passes = []
@@ -550,7 +553,7 @@ def test_eagle_next_pass_in_one_c_call_is_the_python_reference():
             prop._add_children([grow[b] for b in active], [grow[b].frontier for b in active],
                                logits[d][:len(ids)], -3.0)
         runs.append((passes, [(t.tokens, t.parents, t.rows, t.out_row, t.expanded, t.frontier) for t in grow]))
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
     assert len(runs[0][0]) >= 2 and any(len(p[0]) < len(pairs) for p in runs[0][0])  # deeper passes, some done
 
 

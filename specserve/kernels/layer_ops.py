@@ -160,16 +160,21 @@ def eagle_next_pass(grow: list, depth: int, device: torch.device | None = None):
     with the growing trees' bookkeeping updated. -> (the index in grow of each tree in the pass,
     token ids [N], positions [N], each row's parent's row in the last pass's output [N], per
     tree (mask [f, past + f] bool, past, f)), the tensors on `device` (None: the CPU), or None
-    when no tree has a frontier."""
+    when no tree has a frontier; off the CPU all of it goes over in one copy."""
     got = _host.module.eagle_next_pass(grow, depth)
     if got is None:
         return None
     active, index, segments = got
-    index = torch.frombuffer(index, dtype=torch.int64).view(3, -1)
-    masks = [(torch.frombuffer(m, dtype=torch.bool).view(f, -1), past, f) for m, past, f in segments]
-    if device is not None:
-        index, masks = index.to(device), [(m.to(device), past, f) for m, past, f in masks]
-    return active, *index.unbind(), masks
+    if device is None:
+        index = torch.frombuffer(index, dtype=torch.int64)
+        masks = [torch.frombuffer(m, dtype=torch.bool) for m, _, _ in segments]
+    else:  # index first (8-byte aligned), then every mask
+        flat = torch.frombuffer(bytearray().join([index, *(m for m, _, _ in segments)]), dtype=torch.uint8)
+        flat, size = flat.to(device), len(index)
+        index = flat[:size].view(torch.int64)
+        masks = flat[size:].view(torch.bool).split([len(m) for m, _, _ in segments])
+    return active, *index.view(3, -1).unbind(), [(m.view(f, -1), past, f)
+                                                  for m, (_, past, f) in zip(masks, segments)]
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

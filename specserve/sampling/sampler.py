@@ -213,13 +213,22 @@ def draft_top_k(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None):
     """What the host calls that grow draft trees (layer_ops.eagle_children, Medusa's trees) read
     of a draft's logits [N, V]: (rows_view, ids address, tensors to keep alive through the call).
     A float32 CPU tensor as it is (the C takes its top-k, through d2t: ids 0); elsewhere (a
-    GPU, bfloat16) top_logprobs on its device, brought to the host (one transfer each)."""
+    GPU, bfloat16) top_logprobs on its device, brought to the host in one copy."""
     view = layer_ops.rows_view(logits)
     if view is not None:
         return view, 0, logits
     val, idx = top_logprobs(logits, k, d2t)
-    val, idx = val.cpu(), idx.cpu()
+    if not val.is_cpu:
+        val, idx = host_copy(val, idx)
     return layer_ops.rows_view(val), idx.data_ptr(), (val, idx)
+
+
+def host_copy(val: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """val float32 and idx int64, both [N, k], on a device -> the same on the host, contiguous,
+    in one copy (one synchronisation): the ids and the values' bits as one int64 tensor."""
+    n = idx.numel()
+    both = torch.cat([idx.flatten(), val.contiguous().view(torch.int32).flatten().to(torch.int64)]).cpu()
+    return both[n:].to(torch.int32).view(torch.float32).view(idx.shape), both[:n].view(idx.shape)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

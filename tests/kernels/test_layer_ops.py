@@ -69,7 +69,7 @@ def test_top_logprobs_is_log_softmax_topk(shape, k):
 
 
 def test_rows_view_says_what_the_kernels_can_read_and_draft_top_k_hands_them_over():
-    from specserve.sampling import draft_top_k
+    from specserve.sampling.sampler import draft_top_k, host_copy
 
     g = torch.Generator().manual_seed(3)
     x = (4 * torch.randn(5, 300, generator=g))[:, 7:290]  # a row stride past the row
@@ -79,10 +79,13 @@ def test_rows_view_says_what_the_kernels_can_read_and_draft_top_k_hands_them_ove
         assert layer_ops.rows_view(other) is None
     assert draft_top_k(x, 3)[:2] == (layer_ops.rows_view(x), 0)  # the C reads the logits
     d2t = torch.randperm(1000, generator=g)[:283]
-    view, ids, (val, idx) = draft_top_k(x.double(), 3, d2t)  # elsewhere: the top-k, on the host
+    view, ids, (val, idx) = draft_top_k(x.double(), 3, d2t)  # another dtype: PyTorch's top-k, handed over
     want_val, want_idx = layer_ops.top_logprobs(x, 3, d2t)
-    assert view == layer_ops.rows_view(val) and ids == idx.data_ptr()
+    assert view == layer_ops.rows_view(val) and ids == idx.data_ptr() and idx.is_contiguous()
     assert torch.equal(idx, want_idx) and torch.equal(val, want_val)
+    val[0, 0] = -torch.inf  # off the CPU the ids and the values' bits come over as one tensor
+    lp, tok = host_copy(val.t().contiguous().t(), idx)
+    assert torch.equal(tok, idx) and torch.equal(lp, val) and lp.is_contiguous() and tok.is_contiguous()
 
 
 @pytest.mark.parametrize("min_score,d2t", [(-math.inf, False), (-6.0, True), (-4.5, False)])
