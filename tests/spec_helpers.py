@@ -46,14 +46,9 @@ def token_ids(outputs) -> list[list[int]]:
 
 def check_prefix_cache(engine, sequences: list[list[int]]) -> None:
     """Every block key in the prefix cache is a full block of some committed sequence."""
-    bs = engine.kv.block_size
-    valid = set()
-    for seq in sequences:
-        parent = 0
-        for i in range(len(seq) // bs):
-            key = (parent, tuple(seq[i * bs:(i + 1) * bs]))
-            valid.add(key)
-            parent = hash(key)
+    from specserve.kv_cache.manager import block_keys
+
+    valid = {key for seq in sequences for key in block_keys(seq, engine.kv.block_size)}
     for key in engine.kv.pool._block_of:
         assert key in valid, "a cached block holds tokens that no request committed"
 

@@ -6,13 +6,16 @@ Invariants:
   * a hashed block holds the K/V of exactly the tokens in its key and is never written again
     while hashed (writers only append into blocks they alone hold, past the cached ones);
   * `num_free` counts the free list and the evictable LRU: both can serve a new allocation.
+
+A block's key is the 32-byte SHA-256 digest that chains its tokens to every block before it
+(see KVCacheManager); the index maps digests to blocks and keeps nothing else per block.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key or 0, this block's tokens)
+BlockKey = bytes  # SHA-256 over the previous block's key and this block's token ids
 
 
 class BlockPool:
@@ -89,6 +92,10 @@ class BlockPool:
 
     def is_cached(self, block: int) -> bool:
         return block in self._key_of
+
+    def key_of(self, block: int) -> BlockKey | None:
+        """The key a cached block is indexed under, None if it is not in the prefix cache."""
+        return self._key_of.get(block)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._evictable):

@@ -3,14 +3,42 @@
 A request's `block_ids` cover its first `num_computed_tokens` positions plus whatever slots
 were reserved for the tokens scheduled this step (prompt chunk, decode token, drafts).
 Full blocks whose tokens are all committed (prompt or accepted output, never drafts) get a
-chained key (previous block's hash, this block's tokens) and enter the prefix cache, so a
-block holding a rejected draft token can never be found by a later request.
+key and enter the prefix cache, so a block holding a rejected draft token can never be found
+by a later request.
+
+A block's key is SHA-256 over the previous block's key (ROOT_KEY for the first block) and
+this block's token ids packed as little-endian int64: a fixed-width encoding, so two token
+lists never serialise alike, and a chain, so equal keys mean equal whole prefixes. Unlike
+Python's hash() of a tuple (64 bits, the same function in every process), finding two
+prefixes with the same key is out of reach, so one tenant's prompt cannot be made to hit
+another's KV. `req.block_hashes` lists the keys of the request's hashed blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from collections.abc import Sequence
+
 from specserve.kv_cache.block_pool import BlockKey, BlockPool
 from specserve.request import Request
+
+ROOT_KEY: BlockKey = hashlib.sha256(b"specserve prefix cache root").digest()  # first block's parent
+_sha256 = hashlib.sha256
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, parent: BlockKey = ROOT_KEY) -> list[BlockKey]:
+    """Chained keys of the full blocks of token_ids, the first one's parent being `parent`."""
+    n = len(token_ids) // block_size
+    if n == 0:
+        return []
+    data = struct.pack(f"<{n * block_size}q", *token_ids[:n * block_size])
+    step = 8 * block_size
+    keys = []
+    for start in range(0, len(data), step):
+        parent = _sha256(parent + data[start:start + step]).digest()
+        keys.append(parent)
+    return keys
 
 
 def cdiv(a: int, b: int) -> int:
@@ -21,6 +49,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._pack_block = struct.Struct(f"<{block_size}q").pack  # one block's token ids
 
     @property
     def num_free_blocks(self) -> int:
@@ -39,17 +68,18 @@ class KVCacheManager:
 
         At least one token is always left to compute, since the step needs its logits.
         """
+        if not self.pool.enable_prefix_caching:
+            return []
         bs = self.block_size
-        max_blocks = (req.num_tokens - 1) // bs
+        tokens, pack, lookup = req.all_token_ids, self._pack_block, self.pool.lookup
         hits: list[int] = []
-        parent = 0
-        for i in range(max_blocks):
-            key: BlockKey = (parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
-            block = self.pool.lookup(key)
+        key = ROOT_KEY
+        for start in range(0, (req.num_tokens - 1) // bs * bs, bs):  # hashed one block at a time:
+            key = _sha256(key + pack(*tokens[start:start + bs])).digest()  # stops at the first miss
+            block = lookup(key)
             if block is None:
                 break
             hits.append(block)
-            parent = hash(key)
         return hits
 
     # -- allocation -----------------------------------------------------------------------
@@ -74,7 +104,8 @@ class KVCacheManager:
             req.num_computed_tokens = len(hits) * self.block_size
             req.num_cached_tokens = req.num_computed_tokens
             num_new_tokens -= req.num_computed_tokens
-            self._rebuild_hashes(req, len(hits))
+            req.block_hashes = [self.pool.key_of(b) for b in hits]  # the keys that found them
+            assert None not in req.block_hashes, "a prefix hit left the cache before allocate"
         req.block_ids += self.pool.allocate(self.blocks_needed(req, num_new_tokens))
 
     def try_allocate(self, req: Request, num_new_tokens: int) -> bool:
@@ -109,18 +140,14 @@ class KVCacheManager:
 
     # -- prefix cache -------------------------------------------------------------------------
     def cache_committed_blocks(self, req: Request) -> None:
-        """Index every full block whose tokens are computed and committed."""
-        bs = self.block_size
+        """Key and index every full block whose tokens are computed and committed."""
+        bs, done = self.block_size, len(req.block_hashes)
         num_full = min(req.num_computed_tokens, req.num_tokens) // bs
         num_full = min(num_full, len(req.block_ids))
-        self._rebuild_hashes(req, num_full, cache=True)
-
-    def _rebuild_hashes(self, req: Request, upto: int, cache: bool = False) -> None:
-        bs = self.block_size
-        parent = req.block_hashes[-1] if req.block_hashes else 0
-        for i in range(len(req.block_hashes), upto):
-            key: BlockKey = (parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
-            if cache:
-                self.pool.cache(req.block_ids[i], key)
-            parent = hash(key)
-            req.block_hashes.append(parent)
+        if num_full <= done:
+            return
+        parent = req.block_hashes[-1] if done else ROOT_KEY
+        keys = block_keys(req.all_token_ids[done * bs:num_full * bs], bs, parent)
+        for block, key in zip(req.block_ids[done:num_full], keys):
+            self.pool.cache(block, key)
+        req.block_hashes += keys
