@@ -80,7 +80,7 @@ def profile(llm, batch: int, context: int, steps: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for b in range(batch):
         engine.add_request(f"p{batch}-{b}", ids, params)
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step()
     engine.step()  # one decode step unprofiled (first touches)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -28,8 +28,8 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0)
 
-_COUNTER_FIELDS = ("prompt_tokens_total", "generation_tokens_total", "spec_num_drafts",
-                   "spec_num_draft_tokens", "spec_num_accepted_tokens")
+_COUNTER_FIELDS = ("prompt_tokens_total", "generation_tokens_total", "num_preemptions",
+                   "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -53,6 +53,9 @@ class ServerMetrics:
                                      "Prompt tokens processed.", label, registry=reg)
         self.generation_tokens = Counter("specserve:generation_tokens",
                                          "Tokens generated.", label, registry=reg)
+        self.num_preemptions = Counter("specserve:num_preemptions",
+                                       "Requests preempted (KV blocks freed, recomputed later).",
+                                       label, registry=reg)
         self.request_success = Counter("specserve:request_success",
                                        "Finished requests by finish reason.",
                                        label + ["finished_reason"], registry=reg)
@@ -80,10 +83,10 @@ class ServerMetrics:
         self._last_token_time: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens)
         # Create every child up front so all series exist (at 0) from the first scrape.
         for metric in (self.num_running, self.num_waiting, self.kv_usage, self.prompt_tokens,
-                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.spec_drafts,
-                       self.spec_draft_tokens, self.spec_accepted_tokens):
+                       self.generation_tokens, self.num_preemptions, self.ttft, self.itl, self.e2e,
+                       self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens):
             metric.labels(self.model_name)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(self.model_name, reason)
 
     # -- feeding ----------------------------------------------------------------------
@@ -97,6 +100,7 @@ class ServerMetrics:
 
         targets = {"prompt_tokens_total": self.prompt_tokens,
                    "generation_tokens_total": self.generation_tokens,
+                   "num_preemptions": self.num_preemptions,
                    "spec_num_drafts": self.spec_drafts,
                    "spec_num_draft_tokens": self.spec_draft_tokens,
                    "spec_num_accepted_tokens": self.spec_accepted_tokens}

@@ -15,6 +15,7 @@ EXPECTED = {
     "specserve:kv_cache_usage_perc": "gauge",
     "specserve:prompt_tokens_total": "counter",
     "specserve:generation_tokens_total": "counter",
+    "specserve:num_preemptions_total": "counter",
     "specserve:request_success_total": "counter",
     "specserve:time_to_first_token_seconds": "histogram",
     "specserve:inter_token_latency_seconds": "histogram",
@@ -35,6 +36,7 @@ def test_every_field_the_metrics_read_is_the_engines():
     names = {f.name for f in fields(Stats)}
     assert set(_COUNTER_FIELDS) <= names
     assert {"num_running", "num_waiting", "kv_cache_usage", "spec_accepted_per_pos"} <= names
+    assert "num_preemptions" in _COUNTER_FIELDS
 
 
 def samples(m: ServerMetrics) -> dict[str, float]:
@@ -93,6 +95,19 @@ def test_counters_take_deltas_and_gauges_values():
     per_pos = ('specserve:spec_decode_num_accepted_tokens_per_pos_total'
                '{model_name="m",position="%d"}')
     assert [s[per_pos % i] for i in range(3)] == [6, 2, 1]
+
+
+def test_preemptions_counter_follows_the_engines_count():
+    m = ServerMetrics("m")
+    key = 'specserve:num_preemptions_total{model_name="m"}'
+    assert samples(m)[key] == 0  # exported from the first scrape
+    m.update_from_stats(Stats(num_preemptions=3))
+    assert samples(m)[key] == 3
+    m.update_from_stats(Stats(num_preemptions=3))  # no new preemption: no change
+    assert samples(m)[key] == 3
+    m.update_from_stats(Stats(num_preemptions=7))
+    assert samples(m)[key] == 7
+    assert "specserve:num_preemptions_total_total" not in m.render().decode()
 
 
 def test_latency_histograms_and_success_counter():
