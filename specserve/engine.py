@@ -8,9 +8,12 @@ anything is scheduled, so bad input never reaches the scheduler.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from transformers import AutoTokenizer
@@ -29,6 +32,8 @@ from specserve.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
+MAX_STEP_FAILURES = 3  # failed full batches a request may be in before it is failed itself
+
 
 @dataclass
 class EngineStats:
@@ -41,6 +46,7 @@ class EngineStats:
     num_total_blocks: int = 0
     num_steps: int = 0
     num_preemptions: int = 0
+    num_failed_steps: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     prefix_cache_hit_tokens: int = 0
@@ -84,6 +90,10 @@ class Engine:
         self._stats = EngineStats()
         self.spec = methods.make_decoder(spec_config, self.runner, self.kv, self._stats, mc,
                                          self.max_model_len, config.scheduler)
+        # the most tokens (prompt and output) one request can hold: the context, or less when
+        # the KV cache is smaller (a request without max_tokens stops there)
+        self.max_request_tokens = min(self.max_model_len, self.kv.num_total_blocks * self.kv.block_size
+                                      - self.spec.max_drafts - 1)
         self.model_name = canonical_alias(mc.model) or mc.model
         self.model_aliases = [a for a in {mc.model, self.model_dir.name} if a != self.model_name]
         eos = set(self.arch.eos_token_ids)
@@ -93,7 +103,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Request] = []
+        self._quarantine: deque[list[Request]] = deque()  # groups to run alone (see _recover)
+        self._passed_at: dict[str, int] = {}  # output tokens of a suspect when it became one
         self._rng = random.Random(mc.seed)
+        self._grammars_lock = threading.Lock()
         print(f"[specserve] model ready in {time.time() - start:.1f} s "
               f"({self.arch.num_layers} layers, vocab {self.arch.vocab_size}, "
               f"{self.runner.num_blocks} KV blocks, {self.runner.device} "
@@ -102,8 +115,11 @@ class Engine:
               f"{spec_config.method or 'off'})", flush=True)
 
     # -- requests -----------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError('field: reason') for input the engine cannot serve."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 compile_grammar: bool = True) -> None:
+        """Raise ValueError('field: reason') for input the engine cannot serve. Safe to call
+        from any thread (the server checks requests on its own threads before they reach the
+        engine's)."""
         params.validate()
         if not prompt_token_ids:
             raise ValueError("prompt: must not be empty")
@@ -116,19 +132,32 @@ class Engine:
                              "tokens (max_model_len) with room for one output token")
         if params.logit_bias and any(not isinstance(t, int) or not 0 <= t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be integers in [0, {vocab})")
-        if params.structured is not None:
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be integers in [0, {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k: must be at most the vocabulary size {vocab} (or 0 or -1: "
+                             f"disabled), got {params.top_k}")
+        if n >= self.max_request_tokens:
+            raise ValueError(f"prompt: {n} tokens leave no room to generate in the KV cache, "
+                             f"which holds {self.max_request_tokens} tokens of one request")
+        if params.max_tokens is not None:
+            need = cdiv(min(self.max_model_len, n + params.max_tokens) + self.spec.max_drafts + 1,
+                        self.kv.block_size)
+            if need > self.kv.num_total_blocks:
+                raise ValueError(f"max_tokens: prompt plus max_tokens need {need} KV blocks but "
+                                 f"the cache has {self.kv.num_total_blocks}")
+        if params.structured is not None and compile_grammar:
             self.grammars.compile(params.structured)  # ValueError naming the field
-        longest = min(self.max_model_len, n + params.max_tokens if params.max_tokens else self.max_model_len)
-        need = cdiv(longest + self.spec.max_drafts + 1, self.kv.block_size)
-        if need > self.kv.num_total_blocks:
-            raise ValueError(f"max_tokens: prompt plus max_tokens need {need} KV blocks but the "
-                             f"cache has {self.kv.num_total_blocks}")
 
     @property
     def grammars(self) -> Grammars:
-        """Structured output's grammar engine, made at the first request that needs it (~1 s)."""
+        """Structured output's grammar engine, made at the first request that needs it (~1 s;
+        the server makes it and compiles each request's grammar on its own threads)."""
         if self.spec.grammars is None:
-            self.spec.grammars = Grammars(self.tokenizer, self.arch.vocab_size, sorted(self.eos_token_ids))
+            with self._grammars_lock:
+                if self.spec.grammars is None:
+                    self.spec.grammars = Grammars(self.tokenizer, self.arch.vocab_size,
+                                                  sorted(self.eos_token_ids))
         return self.spec.grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -141,10 +170,9 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed,
                       arrival_time, prompt)
-        self.requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, params.stop,
-            params.include_stop_str_in_output, params.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
+                                       params.include_stop_str_in_output, params.skip_special_tokens)
+        self.requests[request_id], self._detok[request_id] = req, detok  # nothing above changed state
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
@@ -165,7 +193,7 @@ class Engine:
     @property
     def stats(self) -> EngineStats:
         s = self._stats
-        s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.num_running, s.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         s.kv_cache_usage = self.kv.usage()
         s.num_free_blocks, s.num_total_blocks = self.kv.num_free_blocks, self.kv.num_total_blocks
         s.num_preemptions = self.scheduler.num_preemptions
@@ -173,14 +201,33 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration. A step that raises fails no request by itself: `_recover` takes the
+        requests it involved back to their committed tokens and runs them in ever smaller
+        groups, alone, until the one that makes steps fail is found and finished with an
+        error; everyone else goes on with the same tokens as before."""
         step_start = time.perf_counter()
         outputs = [self._output(r) for r in self._aborted]
         self._aborted = []
-        sched = self.scheduler.schedule()  # 1. schedule
-        for req in sched.preempted:
-            self.spec.free(req.request_id)
-        if not sched.requests:
+        group = self._isolated_group()
+        sched = None
+        try:
+            sched = self.scheduler.schedule(only=group)  # 1. schedule
+            for req in sched.preempted:
+                self.spec.free(req.request_id)
+            if sched.requests:
+                self._run(sched, outputs, step_start, group)
+        except Exception as e:  # noqa: BLE001 - a step must never fail everyone in it
+            self._recover(sched, group, e, outputs)
             return outputs
+        if group is not None:  # a suspect passes once it has produced a token alone
+            self._quarantine[0] = [r for r in group if r.request_id in self._passed_at
+                                   and r.num_output_tokens == self._passed_at[r.request_id]]
+            for r in group:
+                if r not in self._quarantine[0]:
+                    self._passed_at.pop(r.request_id, None)
+        return outputs
+
+    def _run(self, sched, outputs: list[RequestOutput], step_start: float, group) -> None:
         start = time.perf_counter()
         step_logits = self.runner.execute(sched, self.spec.tree_parents(sched))  # 2. execute
         self.spec.observe_forward(sched, time.perf_counter() - start)
@@ -201,8 +248,68 @@ class Engine:
             else:
                 self.kv.cache_committed_blocks(req)
             outputs.append(self._output(req))
-        self.spec.propose([r for r in self.scheduler.running if not r.finished], step_start)  # 5. propose
-        return outputs
+        running = self.scheduler.running if group is None else [r for r in group if r in self.scheduler.running]
+        self.spec.propose([r for r in running if not r.finished], step_start)  # 5. propose
+
+    # -- failed steps -----------------------------------------------------------------------------
+    def _isolated_group(self) -> list[Request] | None:
+        """The requests that run alone this step while a failed step is traced, if any."""
+        while self._quarantine:
+            group = [r for r in self._quarantine[0] if r.request_id in self._passed_at]
+            if group:
+                self._quarantine[0] = group
+                return group
+            self._quarantine.popleft()
+        return None
+
+    def _recover(self, sched, group: list[Request] | None, error: Exception,
+                 outputs: list[RequestOutput]) -> None:
+        """After a step raised: every request it involved back to its committed tokens (KV
+        freed, drafts dropped: the preemption path), then traced. A group of several is split
+        in two halves that each run alone until every member has produced a token; a request
+        that fails alone is finished with finish_reason "error" (the log has the details), and
+        so is one that passed alone but was in MAX_STEP_FAILURES failed full batches."""
+        self._stats.num_failed_steps += 1
+        self.spec.forget_step()
+        if group is not None:
+            involved = group
+        elif sched is not None:
+            involved = list(dict.fromkeys(sched.requests + self.scheduler.running))
+        else:  # scheduling failed: the running and those it may have been admitting
+            involved = self.scheduler.running + list(
+                itertools.islice(self.scheduler.waiting, self.config.scheduler.max_num_seqs))
+        logger.error("engine step failed with %d request(s) in it (%s); tracing the request "
+                     "that makes it fail", len(involved),
+                     ", ".join(r.request_id for r in involved[:8]), exc_info=error)
+        reported = {o.request_id for o in outputs}
+        suspects = []
+        for req in involved:
+            if req.finished:  # finished within the step before it failed: say so
+                if req.request_id in self.requests and req.request_id not in reported:
+                    outputs.append(self._output(req))
+                continue
+            self.scheduler.requeue(req)
+            self.spec.free(req.request_id)
+            req.num_failed_steps += group is None  # strikes: failed full batches only
+            if len(involved) == 1 or req.num_failed_steps >= MAX_STEP_FAILURES:
+                outputs.append(self._fail(req))
+            else:
+                suspects.append(req)
+                self._passed_at[req.request_id] = req.num_output_tokens
+        if group is not None:
+            self._quarantine.popleft()
+        half = (len(suspects) + 1) // 2
+        for part in (suspects[half:], suspects[:half]):
+            if part:
+                self._quarantine.appendleft(part)
+
+    def _fail(self, req: Request) -> RequestOutput:
+        logger.error("request %s failed: a step fails whenever it is in it", req.request_id)
+        req.status = RequestStatus.FINISHED_ERROR
+        self._finish(req)
+        out = self._output(req)
+        out.error = f"internal error while generating this request ({req.request_id})"
+        return out
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
         """Commit the step's tokens; the first stop condition cuts them right there (a stop
@@ -211,7 +318,7 @@ class Engine:
             req.first_token_time = time.time()
             self._stats.prompt_tokens_total += req.num_prompt_tokens
             self._stats.prefix_cache_hit_tokens += req.num_cached_tokens
-        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        room = min(req.max_tokens - req.num_output_tokens, self.max_request_tokens - req.num_tokens)
         n = min(len(tokens), max(1, room))
         for i in range(n):  # the first EOS or stop token ends the request
             if tokens[i] in req.eos_token_ids or tokens[i] in req.stop_token_ids:
@@ -228,13 +335,14 @@ class Engine:
         elif last in req.eos_token_ids or last in req.stop_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = last if last in req.stop_token_ids else None
-        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_request_tokens:
             req.status = RequestStatus.FINISHED_LENGTH
 
     def _finish(self, req: Request) -> None:
         req.finished_time = time.time()
         self.scheduler.remove(req)
         self.spec.free(req.request_id)
+        self._passed_at.pop(req.request_id, None)
         self._detok[req.request_id].flush()
 
     def _output(self, req: Request) -> RequestOutput:

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from specserve.structured import StructuredOutput
 
 _MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64  # stop strings per request
+MAX_STOP_CHARS_EACH = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids entries per request
 
 
 @dataclass
@@ -84,8 +87,20 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_CHARS_EACH:
+            raise bad("stop", f"each stop string has at most {MAX_STOP_CHARS_EACH} characters, "
+                              f"got one of {longest}")
+        if (not isinstance(self.stop_token_ids, list)
+                or any(type(t) is not int or t < 0 for t in self.stop_token_ids)):
+            raise bad("stop_token_ids", "must be a list of non-negative integer token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, "
+                                        f"got {len(self.stop_token_ids)}")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise bad("logit_bias", "values must be in [-100, 100]")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
@@ -108,10 +123,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a step failed while it ran, alone (Engine._recover)
 
     def __init__(self, value: str) -> None:
         # an attribute, not a property: read for every request several times a step
-        self.finished = value in ("stop", "length", "abort")
+        self.finished = value in ("stop", "length", "abort", "error")
 
 
 @dataclass
@@ -128,7 +144,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
     # from Engine.step: the tokens new since the request's last output; from LLM.generate: all
     logprobs: list[TokenLogprob] | None = None
@@ -153,6 +169,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    error: str | None = None  # finish_reason "error": what the user may be told (no details)
 
 
 class Request:
@@ -178,13 +195,14 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit at the last admission
         self.spec_token_ids: list[int] = []  # drafts to verify in the next step
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of the full committed blocks
+        self.block_hashes: list[bytes] = []  # SHA-256 keys of the full committed blocks (chained)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # logprobs of committed tokens not yet in an output (Engine._output hands them over)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_failed_steps = 0  # failed engine steps it was part of (Engine._recover)
 
     # -- counters ---------------------------------------------------------------------
     @property

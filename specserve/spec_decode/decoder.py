@@ -68,6 +68,11 @@ class SpecDecoder:
         for proposer in filter(None, (self.proposer, self.lookup)):
             proposer.free(request_id)
 
+    def forget_step(self) -> None:
+        """A step failed part way: nothing of it is kept (its requests are `free`d next)."""
+        self._trees = None
+        self._interval = None
+
     def observe_forward(self, sched: SchedulerOutput, seconds: float) -> None:
         """The target forward's time: decode-only steps teach the cost model."""
         if self.policy.adaptive and sched.decode_only:
