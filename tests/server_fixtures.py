@@ -81,7 +81,7 @@ class ServerProcess:
                                   timeout=kwargs.pop("timeout", 120), **kwargs)
 
     def metrics_text(self) -> str:
-        return httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        return httpx.get(f"{self.base_url}/metrics", headers=self.headers, timeout=10).text
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels`."""

@@ -124,7 +124,17 @@ def test_api_key(server):
     # 401 comes before body parsing: a malformed body without a key is still 401
     assert_error(post(server, "/v1/chat/completions", content=b"{", key=None), 401)
     assert httpx.get(f"{server.base_url}/health").status_code == 200
-    assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+    # every route but /health needs the key (/metrics too, unless --public-metrics)
+    for path in ("/metrics", "/debug/kv", "/docs", "/openapi.json"):
+        assert_error(httpx.get(f"{server.base_url}{path}"), 401)
+    assert_error(post(server, "/tokenize", {"prompt": "hi"}, key=None), 401)
+    assert_error(post(server, "/detokenize", {"tokens": [1]}, key=None), 401)
+    assert httpx.get(f"{server.base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}
+                     ).status_code == 200
+    # the scheme is case-insensitive (RFC 7235)
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
     ok = post(server, "/v1/chat/completions", chat_body())
     assert ok.status_code == 200, ok.text
     client = server.openai()
@@ -152,7 +162,8 @@ def test_schemathesis_fuzz_no_5xx():
 
     fuzz = ServerProcess(default_model_args(64), api_key=KEY)  # short context: short outputs
     try:
-        schema = schemathesis.openapi.from_url(f"{fuzz.base_url}/openapi.json")
+        schema = schemathesis.openapi.from_url(f"{fuzz.base_url}/openapi.json",
+                                               headers={"Authorization": f"Bearer {KEY}"})
         failures: list = []
         for result in schema.get_all_operations():
             _fuzz_operation(result.ok(), fuzz.base_url, failures)

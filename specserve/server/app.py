@@ -3,7 +3,10 @@
 `build_app` wires an AsyncEngine (already holding a loaded Engine) to the routes; the app's
 lifespan starts the engine thread and stops it on shutdown. Every error leaves as
 {"error": {"message", "type", "param", "code"}}: 400 for bad input (pydantic's 422 included),
-401 for a bad key, 404 for an unknown model or route, and a catch-all 500 as a safety net.
+401 for a bad key, 404 for an unknown model or route, 408 past --request-timeout, 413 for a
+body over the limit, 429 (with Retry-After) when the server is at capacity, 503 while the
+engine is down or the server shuts down, and a catch-all 500 (details only in the log) that
+keeps the connection open.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve.metrics import CONTENT_TYPE, ServerMetrics
-from specserve.server.async_engine import AsyncEngine, EngineDeadError
+from specserve.server.async_engine import AsyncEngine, EngineError
 from specserve.server.openai_serving import APIError, ServingContext
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, ModelCard, ModelList, TokenizeRequest)
@@ -37,21 +40,56 @@ def error_response(status: int, message: str, param: str | None = None,
 
 
 class APIKeyMiddleware:
-    """Pure ASGI (so streaming and disconnect detection stay untouched): /v1 needs the key."""
+    """Pure ASGI (so streaming and disconnect detection stay untouched): every route needs
+    `Authorization: Bearer KEY` (the scheme in any case) except /health, and /metrics when
+    `public_metrics` is set."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, public_metrics: bool = False) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+        self.open_paths = {"/health"} | ({"/metrics"} if public_metrics else set())
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, key = given.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "Incorrect API key provided.",
-                                          code="invalid_api_key")
-                await response(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["path"] not in self.open_paths \
+                and not self._authorized(scope):
+            response = error_response(401, "Incorrect API key provided.", code="invalid_api_key")
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+
+class CatchAllMiddleware:
+    """An exception no handler took becomes a 500 with an OpenAI error body and the
+    connection stays open (Starlette's own last resort re-raises, and uvicorn then drops the
+    keep-alive connection). Details go to the log, never to the client."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception:  # noqa: BLE001 - the last resort
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                response = error_response(500, "internal error; the server log has the details",
+                                          type="internal_error")
+                await response(scope, receive, send)
 
 
 class BodyLimitMiddleware:
@@ -126,15 +164,12 @@ def install_error_handlers(app: FastAPI) -> None:
         code = "not_found" if exc.status_code == 404 else None
         return error_response(exc.status_code, str(exc.detail), code=code)
 
-    @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc), type="service_unavailable")
-
-    @app.exception_handler(Exception)
-    async def _anything(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}",
-                              type="internal_error")
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
+        response = error_response(exc.status, str(exc), type=exc.type, code=exc.code)
+        if exc.retry_after is not None:
+            response.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+        return response
 
 
 async def _abort_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -179,11 +214,12 @@ class _SSEResponse(StreamingResponse):
 
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+MAX_DETOKENIZE = 1 << 16  # tokens per /detokenize call (or the context length, if longer)
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               aliases: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, public_metrics: bool = False) -> FastAPI:
     ctx = ServingContext.create(async_engine, served_model_name, aliases, tool_call_parser)
     if async_engine.metrics is None:
         async_engine.metrics = ServerMetrics(served_model_name)
@@ -196,19 +232,22 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             yield
         finally:
             await asyncio.get_running_loop().run_in_executor(None, async_engine.stop)
+            ctx.shutdown()
 
     app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
+    app.add_middleware(CatchAllMiddleware)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, public_metrics=public_metrics)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # outermost: before the key check
 
     @app.get("/health")
     async def health() -> Response:
-        if async_engine.is_alive:
+        problem = async_engine.health()
+        if problem is None:
             return JSONResponse({"status": "ok"})
-        return error_response(503, "the engine is not running", type="service_unavailable")
+        return error_response(503, problem, type="service_unavailable")
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -221,21 +260,30 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Any:
         ctx.check_model(body.model)
-        if body.messages:
-            text = render_chat_prompt(ctx, body.messages)
-            tokens = ctx.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            tokens = ctx.tokenizer.encode(body.prompt or "",
-                                          add_special_tokens=body.add_special_tokens)
+        param = "messages" if body.messages else "prompt"
+        ctx.check_prompt_text(sum(len(m.text()) for m in body.messages) if body.messages
+                              else len(body.prompt or ""), param)
+
+        def encode() -> list[int]:
+            if body.messages:
+                text = render_chat_prompt(ctx, body.messages)
+                ctx.check_prompt_text(len(text), param)
+                return ctx.tokenizer.encode(text, add_special_tokens=False)
+            return ctx.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+
+        tokens = await ctx.run_blocking(encode)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Any:
         ctx.check_model(body.model)
+        if len(body.tokens) > max(ctx.max_model_len, MAX_DETOKENIZE):
+            raise APIError(400, f"at most {max(ctx.max_model_len, MAX_DETOKENIZE)} tokens per "
+                                "call", "tokens")
         bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", "tokens")
-        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+        return {"prompt": await ctx.run_blocking(ctx.tokenizer.decode, body.tokens)}
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> Any:

@@ -1,14 +1,18 @@
 """`specserve serve` / `python -m specserve.server`: flags, engine construction, uvicorn.
 
-Shutdown: on SIGTERM (or SIGINT) uvicorn stops accepting connections and waits up to
---shutdown-timeout seconds for running requests to finish (then cancels them, which aborts
-them in the engine); the app's lifespan then stops the engine thread and the process exits 0.
+Shutdown: on SIGTERM (or SIGINT) the server stops accepting connections, answers new requests
+on open ones with 503, and lets running requests finish for up to --shutdown-timeout seconds;
+streams still running then end with an error event and [DONE], non-streaming calls with a 503.
+The app's lifespan then stops the engine thread and the process exits 0. If the engine thread
+dies, the server shuts down the same way and exits 1, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -57,10 +61,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
                    help="larger request bodies get HTTP 413 (default 16 MiB)")
     s.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1 routes "
+                   help="require `Authorization: Bearer KEY` on every route but /health "
                         "(default: $SPECSERVE_API_KEY if set)")
+    s.add_argument("--require-api-key", action="store_true",
+                   help="refuse to start on an address other than loopback without an API key "
+                        "(the container image sets it)")
+    s.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without the API key (for a Prometheus that sends none)")
+    s.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="sequences (prompts x n) that may wait beyond --max-num-seqs; past "
+                        "that, requests get HTTP 429 with Retry-After")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="end any request that runs longer than this many seconds (HTTP 408, "
+                        "or an error event in a stream); default: no limit")
+    s.add_argument("--health-stall-timeout", type=float, default=60.0,
+                   help="/health turns 503 when the engine completes no step for this many "
+                        "seconds")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds to let running requests finish after SIGTERM")
+                   help="seconds to let running requests finish after SIGTERM; those still "
+                        "running then end with an error event")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", dest="access_log", action="store_false")
@@ -90,6 +109,11 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or env_str("API_KEY") or None
+    if args.require_api_key and not api_key and not _is_loopback(args.host):
+        print(f"specserve serve: refusing to serve on {args.host} without an API key: set "
+              "SPECSERVE_API_KEY (or --api-key), or bind to 127.0.0.1", file=sys.stderr)
+        return 2
     executor = engine_executor()  # builds the engine and steps it: one thread for model work
     if engine is None:
         try:
@@ -103,15 +127,32 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
     name = args.served_model_name or engine.model_name
     aliases = [a for a in (engine.model_name, args.model) if a and a != name]
     metrics = ServerMetrics(name)
-    async_engine = AsyncEngine(engine, metrics, StatsLogger(args.stats_interval), executor)
-    api_key = args.api_key or env_str("API_KEY") or None
+    async_engine = AsyncEngine(engine, metrics, StatsLogger(args.stats_interval), executor,
+                               max_in_flight=args.max_num_seqs + args.max_queued_requests,
+                               request_timeout=args.request_timeout,
+                               stall_timeout=args.health_stall_timeout)
     app = build_app(async_engine, name, api_key=api_key, aliases=aliases,
-                    max_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser)
+                    max_body_bytes=args.max_request_body_bytes,
+                    tool_call_parser=args.tool_call_parser, public_metrics=args.public_metrics)
 
-    server = uvicorn.Server(uvicorn.Config(
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            # no new requests from here; streams still running at the deadline end with an
+            # error event and [DONE] (uvicorn's own deadline, a little later, is a backstop)
+            async_engine.begin_shutdown(args.shutdown_timeout)
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
-        access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout,
+        access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 5,
         timeout_keep_alive=5))
+
+    def engine_died(error: BaseException) -> None:
+        logger.critical("the engine thread died (%r): exiting so that a supervisor restarts "
+                        "the server", error)
+        server.should_exit = True
+
+    async_engine.on_death = engine_died
 
     # uvicorn re-raises the signal that stopped it once it is done; with this handler in
     # place a graceful SIGTERM ends in a normal return (exit 0) instead of a kill.
@@ -123,11 +164,21 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-        async_engine.stop()
-    if not server.started:
-        return 1
+        stopped = async_engine.stop()
+    code = 1 if async_engine.error is not None or not server.started else 0
+    if not stopped:  # a step that does not end: the engine thread would keep the process alive
+        logger.error("the engine thread did not stop; exiting anyway")
+        logging.shutdown()
+        os._exit(code or 1)
     logger.info("server stopped")
-    return 0
+    return code
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def main(argv: list[str] | None = None) -> int:

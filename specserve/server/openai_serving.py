@@ -7,19 +7,24 @@ or async iterators of SSE strings, and app.py turns them into responses.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.detokenizer import stop_matcher
 from specserve.request import RequestOutput, SamplingParams
 from specserve.structured import StructuredOutput
-from specserve.server.async_engine import AsyncEngine
+from specserve.server.async_engine import AsyncEngine, EngineError
 from specserve.server.protocol import SpeculationUsage, Usage, _SamplingFields
 
 logger = logging.getLogger("specserve.server")
+
+GRAMMAR_TIMEOUT_S = 10.0  # a constraint that compiles longer is refused (400)
 
 
 class APIError(Exception):
@@ -99,7 +104,14 @@ class TokenText:
 
 @dataclass
 class ServingContext:
-    """Everything an endpoint needs; built once per app."""
+    """Everything an endpoint needs; built once per app.
+
+    Work that grows with a request's size (chat templating, tokenizing, detokenizing,
+    compiling a grammar) runs on `run_blocking`'s worker threads, never on the event loop,
+    and only after cheap size checks: a prompt of more characters than `max_prompt_chars`
+    cannot fit the context (no token spans more characters than the vocabulary's longest), so
+    it is refused before it is tokenized.
+    """
 
     async_engine: AsyncEngine
     served_model_name: str
@@ -109,6 +121,48 @@ class ServingContext:
     vocab_size: int = 0
     token_text: TokenText | None = None
     tool_parser: Any = None  # tool_parsers.ToolParser: the model's tool-call format
+    max_request_tokens: int = 2048  # prompt and output of one request: the context or the KV cache
+    max_prompt_chars: int = 1 << 62
+    grammar_timeout: float = GRAMMAR_TIMEOUT_S
+    # one thread: the tokenizer is not shared between threads (grammars have their own pool)
+    _pre: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="specserve-preprocess"))
+    _grammar_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        2, thread_name_prefix="specserve-grammar"))
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the preprocessing thread (tokenizer work), awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._pre, fn, *args)
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (if any) on a grammar thread, so the engine thread
+        finds it compiled; a grammar that takes longer than `grammar_timeout` is refused."""
+        spec = params.structured
+        if spec is None:
+            return
+        engine = self.async_engine.engine
+        try:
+            spec.check()
+            work = asyncio.get_running_loop().run_in_executor(
+                self._grammar_pool, lambda: engine.grammars.compile(spec))
+            await asyncio.wait_for(work, self.grammar_timeout)
+        except ValueError as e:
+            raise from_value_error(e) from None
+        except asyncio.TimeoutError:
+            raise bad_request(f"{spec.param}: the constraint took longer than "
+                              f"{self.grammar_timeout:g} s to compile; simplify it", spec.param) from None
+
+    def admit(self, n: int) -> None:
+        """Before any work on a call of `n` sequences: refused if the server cannot take them
+        (429 now, or 400 if never), or is shutting down (503)."""
+        try:
+            self.async_engine.check_admission(n)
+        except ValueError as e:
+            raise from_value_error(e) from None
+
+    def shutdown(self) -> None:
+        self._pre.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def create(async_engine: AsyncEngine, served_model_name: str,
@@ -129,15 +183,37 @@ class ServingContext:
             if name and name != served_model_name and name not in names:
                 names.append(name)
         vocab = getattr(engine, "vocab_size", None) or len(tokenizer)
-        return ServingContext(async_engine, served_model_name, names,
-                              int(getattr(engine, "max_model_len", 2048)), tokenizer, int(vocab),
-                              TokenText(tokenizer), get_tool_parser(tool_call_parser))
+        max_model_len = int(getattr(engine, "max_model_len", 2048))
+        max_request_tokens = int(getattr(engine, "max_request_tokens", max_model_len))
+        try:
+            longest = max(len(piece) for piece in tokenizer.get_vocab())
+            max_prompt_chars = max_request_tokens * max(longest, 1)
+        except Exception:  # noqa: BLE001 - no vocabulary to read: no early check
+            max_prompt_chars = 1 << 62
+        return ServingContext(async_engine, served_model_name, names, max_model_len, tokenizer,
+                              int(vocab), TokenText(tokenizer), get_tool_parser(tool_call_parser),
+                              max_request_tokens, max_prompt_chars)
 
     def check_model(self, model: str | None) -> None:
         if model is None or model == self.served_model_name or model in self.aliases:
             return
         raise APIError(404, f"The model `{model}` does not exist.", "model",
                        code="model_not_found")
+
+    def _too_long(self, num_tokens: int | None, param: str) -> APIError:
+        prompt = f"{num_tokens} tokens" if num_tokens is not None else "more tokens than that"
+        if self.max_request_tokens < self.max_model_len:
+            return bad_request(f"This server's KV cache holds {self.max_request_tokens} tokens of "
+                               f"one request. However, your prompt has {prompt}, which leaves no "
+                               "room to generate.", param)
+        return bad_request(f"This model's maximum context length is {self.max_model_len} tokens. "
+                           f"However, your prompt has {prompt}, which leaves no room to generate.",
+                           param)
+
+    def check_prompt_text(self, num_chars: int, param: str) -> None:
+        """Before tokenizing: a prompt this long cannot fit whatever it tokenizes to."""
+        if num_chars > self.max_prompt_chars:
+            raise self._too_long(None, param)
 
     def check_prompt_ids(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
@@ -146,23 +222,40 @@ class ServingContext:
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary "
                               f"[0, {self.vocab_size})", param)
-        if len(token_ids) >= self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {len(token_ids)} tokens, which leaves no room to generate.",
-                param)
+        if len(token_ids) >= self.max_request_tokens:
+            raise self._too_long(len(token_ids), param)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's own checks of a request, here, before it reaches the engine thread
+        (its grammar is compiled apart: `compile_grammar`), and its stop strings' automaton
+        built."""
+        validate = getattr(self.async_engine.engine, "validate", None)
+        if validate is not None:
+            try:
+                validate(prompt_ids, params, compile_grammar=False)
+            except ValueError as e:
+                raise from_value_error(e) from None
+        if params.stop:
+            stop_matcher(params.stop)  # built here (cached), not on the engine thread
 
     def resolve_max_tokens(self, requested: int | None, num_prompt_tokens: int,
                            param: str = "max_tokens") -> int:
-        room = self.max_model_len - num_prompt_tokens
+        """The request's max_tokens: as asked (a 400 if it cannot fit), or with none asked, as
+        many as the context and the KV cache leave."""
         if requested is None:
-            return room
-        if requested > room:
+            return self.max_request_tokens - num_prompt_tokens
+        if num_prompt_tokens + requested > self.max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in "
                 f"the prompt, {requested} in the completion). Reduce the prompt or {param}.",
                 param)
+        if num_prompt_tokens + requested > self.max_request_tokens:
+            raise bad_request(
+                f"This server's KV cache holds {self.max_request_tokens} tokens of one request. "
+                f"However, you requested {num_prompt_tokens + requested} tokens "
+                f"({num_prompt_tokens} in the prompt, {requested} in the completion). Reduce "
+                f"the prompt or {param}.", param)
         return requested
 
 
@@ -250,10 +343,22 @@ def fan_out(base_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
 
 
 async def submit(ctx: ServingContext, requests: list) -> Any:
+    """Compile the call's grammar off the engine thread, then hand its requests to the engine."""
+    if requests:
+        await ctx.compile_grammar(requests[0][2])
     try:
         return await ctx.async_engine.add_requests(requests)
     except ValueError as e:
         raise from_value_error(e) from None
+
+
+def engine_error_body(e: BaseException, request_id: str) -> dict[str, Any]:
+    """The error body a stream ends with: an EngineError as it is, anything else generic (the
+    details go to the log, never to a client)."""
+    if isinstance(e, EngineError):
+        return APIError(e.status, str(e), type=e.type, code=e.code).body()
+    return APIError(500, f"internal error while generating ({request_id}); the server log has "
+                         "the details", type="internal_error").body()
 
 
 def make_usage(num_prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
@@ -306,9 +411,11 @@ async def sse_with_epilogue(events: AsyncIterator[str], stream: Any, what: str,
             yield sse({**header, "choices": [], "usage": usage().model_dump()})
     except APIError as e:
         yield sse(e.body())
+    except EngineError as e:
+        yield sse(engine_error_body(e, header["id"]))
     except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
-        logger.exception("%s stream failed", what)
-        yield sse(APIError(500, f"internal error: {e}", type="internal_error").body())
+        logger.exception("%s stream %s failed", what, header["id"])
+        yield sse(engine_error_body(e, header["id"]))
     finally:
         await stream.aclose()
     yield SSE_DONE

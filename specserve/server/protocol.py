@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 128  # fan-out cap: each choice is one engine request
 MAX_TOP_LOGPROBS = 20
+MAX_TOOLS = 128  # function definitions per request
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1 - MAX_N  # seed + i must stay an int64
 
 
@@ -150,7 +151,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # tool calling (docs/server.md, "Tool calling")
-    tools: list[ChatTool] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None  # None: true
 

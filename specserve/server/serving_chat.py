@@ -218,10 +218,20 @@ class ChatCall:
     async def start(self) -> None:
         ctx, req = self.ctx, self.req
         ctx.check_model(req.model)
+        ctx.admit(req.n)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        ctx.check_prompt_text(sum(len(m.text()) for m in req.messages), "messages")
+        requests = await ctx.run_blocking(self._prepare)
+        self.stream = await submit(ctx, requests)
+
+    def _prepare(self) -> list:
+        """The engine requests of the call (on the preprocessing thread: the chat template and
+        the tokenizer run here)."""
+        ctx, req = self.ctx, self.req
         tools, grammar = self._tools()
         prompt = render_chat_prompt(ctx, req.messages, tools)
+        ctx.check_prompt_text(len(prompt), "messages")
         prompt_ids = ctx.tokenizer.encode(prompt, add_special_tokens=False)
         ctx.check_prompt_ids(prompt_ids, "messages")
         self.num_prompt_tokens = len(prompt_ids)
@@ -238,9 +248,10 @@ class ChatCall:
                                   "tool_choice")
             params = dataclasses.replace(
                 params, structured=StructuredOutput(grammar=grammar, param="tool_choice"))
+        ctx.validate(prompt_ids, params)
         requests = fan_out(self.request_id, prompt_ids, params, req.n, prompt)
         self.index_of = {r[0]: i for i, r in enumerate(requests)}
-        self.stream = await submit(ctx, requests)
+        return requests
 
     async def collect(self) -> dict[str, Any]:
         assert self.stream is not None

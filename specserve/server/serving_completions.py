@@ -19,8 +19,8 @@ from specserve.server.protocol import (CompletionChoice, CompletionLogprobs, Com
                                        CompletionResponse, now, random_id)
 
 
-def normalize_prompts(ctx: ServingContext, prompt: Any) -> list[tuple[str, list[int]]]:
-    """The request's prompt field -> [(prompt text, prompt token ids)]."""
+def prompt_items(prompt: Any) -> list[Any]:
+    """The request's prompt field -> its prompts (each a text or a list of token ids)."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -29,9 +29,15 @@ def normalize_prompts(ctx: ServingContext, prompt: Any) -> list[tuple[str, list[
         items = list(prompt)
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
+    return items
+
+
+def normalize_prompts(ctx: ServingContext, items: list[Any]) -> list[tuple[str, list[int]]]:
+    """Prompts (prompt_items) -> [(prompt text, prompt token ids)] (the tokenizer runs here)."""
     result = []
     for item in items:
         if isinstance(item, str):
+            ctx.check_prompt_text(len(item), "prompt")
             ids = ctx.tokenizer.encode(item, add_special_tokens=True)
             text = item
         else:
@@ -89,14 +95,26 @@ class CompletionCall:
     async def start(self) -> None:
         ctx, req = self.ctx, self.req
         ctx.check_model(req.model)
-        self.prompts = normalize_prompts(ctx, req.prompt)
+        if req.suffix:
+            raise bad_request("suffix: unsupported parameter: this server does not implement "
+                              "insertion (fill-in-the-middle)", "suffix")
+        items = prompt_items(req.prompt)
+        ctx.admit(len(items) * req.n)
+        requests = await ctx.run_blocking(self._prepare, items)
+        self.stream = await submit(ctx, requests)
+
+    def _prepare(self, items: list[Any]) -> list:
+        """The engine requests of the call (on the preprocessing thread)."""
+        ctx, req = self.ctx, self.req
+        self.prompts = normalize_prompts(ctx, items)
         requests = []
         for p, (text, ids) in enumerate(self.prompts):
             max_tokens = ctx.resolve_max_tokens(req.max_tokens, len(ids))
             params = sampling_params(req, max_tokens, req.logprobs)
+            ctx.validate(ids, params)
             requests += fan_out(f"{self.request_id}-{p}", ids, params, req.n, text)
         self.index_of = {r[0]: i for i, r in enumerate(requests)}
-        self.stream = await submit(ctx, requests)
+        return requests
 
     def _prompt_of(self, index: int) -> tuple[str, list[int]]:
         return self.prompts[index // self.req.n]

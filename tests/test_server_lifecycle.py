@@ -1,0 +1,134 @@
+"""The server's limits and its ends: a KV cache smaller than the context, SIGTERM while streams
+run, an engine thread that dies, and the refusal to listen on the
+network without a key. Each test that stops its server starts its own (tests/fault_server.py:
+the real server with faults a prompt can inject)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_fixtures import REPO, ServerProcess, default_model_args
+
+MODEL = "smollm2-135m-instruct"
+
+
+def fault_server(args: list[str]) -> ServerProcess:
+    os.environ["SPECSERVE_TEST_SERVER_ENTRY"] = str(REPO / "tests" / "fault_server.py")
+    os.environ["FAULT_STALL_SECONDS"] = "7"
+    try:
+        return ServerProcess(args)
+    finally:
+        del os.environ["SPECSERVE_TEST_SERVER_ENTRY"]
+
+
+def chat(content: str, **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0,
+            **kw}
+
+
+def sse_events(r: httpx.Response) -> list[str]:
+    return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def small_kv():
+    """A 2,048-token context over a KV cache of 12 blocks (192 tokens), and a 1 s grace period
+    on SIGTERM."""
+    proc = ServerProcess(["--max-model-len", "2048", "--num-blocks", "12", "--block-size", "16",
+                          "--shutdown-timeout", "1"])
+    yield proc
+    proc.stop()
+
+
+def test_without_max_tokens_a_request_runs_to_what_the_kv_cache_holds(small_kv):
+    r = httpx.post(f"{small_kv.base_url}/v1/chat/completions",
+                   json=chat("Count from one to a thousand.", ignore_eos=True), timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    total = body["usage"]["total_tokens"]
+    assert 150 < total < 192, body["usage"]
+    too_many = httpx.post(f"{small_kv.base_url}/v1/chat/completions",
+                          json=chat("Hi", max_tokens=500), timeout=60)
+    assert too_many.status_code == 400 and "KV cache" in too_many.json()["error"]["message"]
+
+
+def test_zz_sigterm_ends_running_streams_cleanly_and_exits_0(small_kv):
+    """Runs last in the module: SIGTERM while a long stream runs. New requests get 503; the
+    stream ends after the grace period with an error event and [DONE]; exit 0."""
+    events: list[str] = []
+    body = chat("Write a very long story about a dragon.", stream=True, max_tokens=120,
+                ignore_eos=True)
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{small_kv.base_url}/v1/chat/completions", json=body,
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+
+    t = threading.Thread(target=stream)
+    with httpx.Client(base_url=small_kv.base_url, timeout=30) as client:
+        assert client.get("/health").status_code == 200  # an open keep-alive connection
+        t.start()
+        deadline = time.monotonic() + 30
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.05)
+        small_kv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        try:
+            during = client.post("/v1/chat/completions", json=chat("Hi", max_tokens=2))
+            assert during.status_code == 503, during.text
+        except httpx.TransportError:
+            pass  # the connection was already closed: also a refusal
+    t.join(60)
+    rc = small_kv.proc.wait(60)
+    assert rc == 0, small_kv.log()
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "shutting_down", error
+
+
+def test_an_engine_thread_that_dies_exits_the_process_non_zero():
+    server = fault_server(default_model_args(256))
+    try:
+        results: dict = {}
+
+        def normal() -> None:
+            with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=60,
+                              json=chat("Tell me about the sea.", stream=True, max_tokens=200,
+                                        ignore_eos=True)) as r:
+                results["events"] = sse_events(r)
+
+        t = threading.Thread(target=normal)
+        t.start()
+        time.sleep(1.0)
+        r = httpx.post(f"{server.base_url}/v1/chat/completions",
+                       json=chat("FAULT-KILL now", max_tokens=4), timeout=60)
+        assert r.status_code == 503, r.text
+        t.join(60)
+        assert results["events"][-1] == "[DONE]"
+        assert json.loads(results["events"][-2])["error"]["type"] == "service_unavailable"
+        assert server.proc.wait(60) == 1, server.log()
+        assert "engine thread died" in server.log()
+    finally:
+        server.stop()
+
+
+def test_no_key_on_a_network_address_is_refused_at_start():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("SPECSERVE_API_KEY", None)
+    r = subprocess.run([sys.executable, "-m", "specserve.server", "--host", "0.0.0.0",
+                        "--require-api-key"], capture_output=True, text=True, env=env,
+                       timeout=120, cwd=str(REPO))
+    assert r.returncode == 2
+    assert "without an API key" in r.stderr
