@@ -5,6 +5,7 @@ engine thread, the queue limit, a 500 that keeps the connection open."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -29,6 +30,17 @@ def settle(engine) -> None:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def before_each_step(monkeypatch, engine, before) -> None:
+    """engine.step() runs before() first: a stall or a fault injected into the real step."""
+    real = engine.step
+
+    def step():
+        before()
+        return real()
+
+    monkeypatch.setattr(engine, "step", step)
 
 
 def output(rid: str, n: int, finished: bool = False) -> RequestOutput:
@@ -84,13 +96,7 @@ def test_a_request_past_its_deadline_ends_with_a_timeout(engine, monkeypatch):
         ae = AsyncEngine(engine, request_timeout=0.5)
         ae.start()
         try:
-            real = engine.step
-
-            def slow_step():
-                time.sleep(0.1)
-                return real()
-
-            monkeypatch.setattr(engine, "step", slow_step)
+            before_each_step(monkeypatch, engine, lambda: time.sleep(0.1))
             params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
             stream = await ae.add_requests([("t0", [1, 2, 3], params, None)])
             with pytest.raises(RequestTimeoutError):
@@ -113,16 +119,13 @@ def test_a_dead_engine_thread_fails_everyone_and_says_so(engine, monkeypatch):
         ae.on_death = lambda error: died.set()
         ae.start()
         try:
-            real = engine.step
-            calls = []
+            calls = itertools.count()
 
-            def step():
-                calls.append(1)
-                if len(calls) > 2:
+            def die_at_the_third_step() -> None:
+                if next(calls) >= 2:
                     raise SystemExit("injected")
-                return real()
 
-            monkeypatch.setattr(engine, "step", step)
+            before_each_step(monkeypatch, engine, die_at_the_third_step)
             params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
             stream = await ae.add_requests([("d0", [1, 2, 3], params, None)])
             with pytest.raises(EngineDeadError):

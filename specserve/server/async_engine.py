@@ -33,7 +33,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from specserve.request import RequestOutput, SamplingParams
 
@@ -377,13 +377,16 @@ class AsyncEngine:
     def _num_failed_steps(self) -> int:
         return getattr(self.engine.stats, "num_failed_steps", 0)
 
-    def _drain_inbox(self) -> None:
-        deliveries = []
+    def _take_inbox(self) -> Iterator[_Add | _Abort]:
         while True:
             try:
-                item = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return
+
+    def _drain_inbox(self) -> None:
+        deliveries = []
+        for item in self._take_inbox():
             if isinstance(item, _Abort):
                 self.engine.abort_request(item.request_id)
                 self._streams.pop(item.request_id, None)
@@ -409,15 +412,9 @@ class AsyncEngine:
 
     def _fail_inbox(self) -> None:
         """The engine is gone: every request still in the inbox is refused."""
-        deliveries = []
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, _Add):
-                deliveries.append((item.stream._on_added,
-                                   EngineDeadError("the engine stopped; the server is restarting")))
+        dead = EngineDeadError("the engine stopped; the server is restarting")
+        deliveries = [(item.stream._on_added, dead) for item in self._take_inbox()
+                      if isinstance(item, _Add)]
         if deliveries:
             self._call_soon(deliveries)
 
