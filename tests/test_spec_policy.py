@@ -278,3 +278,14 @@ def test_speculation_measured_faster_stays_on_with_rare_plain_samples():
     modes = run_realized(gate, 16, 400, spec_cost=0.7)
     assert modes[-100:].count(False) <= 2
     assert gate.bucket(15) == gate.bucket(16) != gate.bucket(64) and gate.bucket(3) == 3
+
+
+def test_calibration_stays_inside_a_short_context(make_llm, tiny_model_dir):
+    """`--max-model-len 64` once crashed the server at start: the cost model timed 64 rows
+    after 128 tokens of context, past the model's positions."""
+    from specserve.spec_decode.cost_model import _time_step
+
+    engine = make_llm(str(tiny_model_dir), max_model_len=48, speculative_config=None).engine
+    assert _time_step(engine.runner, engine.kv, 1, 64) is None  # does not fit: not timed
+    assert _time_step(engine.runner, engine.kv, 1, 16) > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks

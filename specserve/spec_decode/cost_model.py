@@ -264,12 +264,13 @@ class Realized:
 def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 2) -> float | None:
     """Mean seconds of a target step of `num_requests` requests, each computing `rows_each`
     rows after CALIBRATION_CONTEXT tokens (the KV cache holds whatever it holds: only time is
-    read); None when the cache cannot hold them."""
+    read); None when the cache or the context cannot hold them."""
     from specserve.request import Request, SamplingParams
     from specserve.scheduler.scheduler import SchedulerOutput
 
     room = kv.num_free_blocks * kv.block_size // max(1, num_requests) - kv.block_size
-    ctx = min(CALIBRATION_CONTEXT, room - rows_each)  # a small cache: shorter contexts
+    # a small cache or a short context: shorter contexts (positions stay inside the model's)
+    ctx = min(CALIBRATION_CONTEXT, room - rows_each, runner.max_model_len - rows_each)
     reqs = []
     for i in range(num_requests):
         req = Request(f"calibration-{i}", [1] * (ctx + rows_each), SamplingParams(), set(), 0)
