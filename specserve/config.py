@@ -54,14 +54,18 @@ class SchedulerConfig:
 # what pays of them): lookup chains of 8, draft-model chains of 4, EAGLE trees of 8 nodes
 # (the shipped head's best size where rows are nearly free, docs/benchmarks.md), Medusa's
 # whole tree
-DEFAULT_DRAFTS = {"ngram": 8, "draft_model": 4, "eagle": 8, "medusa": 64}
-SPEC_METHODS = tuple(DEFAULT_DRAFTS)  # ngram, draft_model, eagle, medusa
+DEFAULT_DRAFTS = {"ngram": 8, "suffix": 16, "draft_model": 4, "eagle": 8, "medusa": 64}
+SPEC_METHODS = tuple(DEFAULT_DRAFTS)  # ngram, suffix, draft_model, eagle, medusa
 # keys of our own, beside vLLM's, and the methods they apply to: "adaptive" (bool, all),
 # "lookup_branch" (int >= 0), "min_draft_prob" (0 <= p < 1: a fixed cut instead of the cost
-# model's), "medusa_tree"; vLLM's "quantization" names the draft head's weights ("auto" |
-# "int8" | "none")
+# model's), "medusa_tree"; suffix decoding's "max_match" (the longest suffix looked up, int >=
+# prompt_lookup_min), "corpus_tokens" (finished outputs kept per tenant, int >= 0) and
+# "shared_corpus" (bool: every tenant drafts from every output); vLLM's "quantization" names
+# the draft head's weights ("auto" | "int8" | "none")
 SPEC_KEY_METHODS = {"lookup_branch": ("eagle", "medusa"), "min_draft_prob": ("eagle",),
-                    "medusa_tree": ("medusa",), "quantization": ("eagle", "medusa")}
+                    "medusa_tree": ("medusa",), "quantization": ("eagle", "medusa"),
+                    "max_match": ("suffix",), "corpus_tokens": ("suffix",),
+                    "shared_corpus": ("suffix",)}
 
 
 def _int_at_least(value, low: int) -> bool:
@@ -85,7 +89,7 @@ class SpecConfig:
     """vLLM's --speculative-config keys. method None means no speculation; "auto" (the
     default of LLM and `specserve serve`) is resolved by the engine (spec_decode.methods)."""
 
-    method: str | None = None  # auto | ngram | draft_model | eagle | medusa
+    method: str | None = None  # auto | ngram | suffix | draft_model | eagle | medusa
     num_speculative_tokens: int | None = None  # None: the method's default (DEFAULT_DRAFTS)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
@@ -137,6 +141,14 @@ class SpecConfig:
             _check_medusa_tree(self.extra["medusa_tree"])
         if not isinstance(self.extra.get("adaptive", True), bool):
             raise ValueError("speculative_config.adaptive: must be true or false")
+        if not _int_at_least(self.extra.get("max_match", lo), lo):
+            raise ValueError("speculative_config.max_match: must be an integer >= "
+                             f"prompt_lookup_min ({lo}), got {self.extra['max_match']!r}")
+        if not _int_at_least(self.extra.get("corpus_tokens", 0), 0):
+            raise ValueError("speculative_config.corpus_tokens: must be an integer >= 0, "
+                             f"got {self.extra['corpus_tokens']!r}")
+        if not isinstance(self.extra.get("shared_corpus", False), bool):
+            raise ValueError("speculative_config.shared_corpus: must be true or false")
         unknown = sorted(set(self.extra) - set(SPEC_KEY_METHODS) - {"adaptive"})
         if unknown:  # vLLM has many more keys; accept them so configs carry over
             logger.warning("speculative_config: ignoring keys %s", ", ".join(unknown))

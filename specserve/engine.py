@@ -161,7 +161,10 @@ class Engine:
         return self.spec.grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    tenant: str | None = None) -> None:
+        """Queue a request. `tenant`: who sent it (the server's API key); suffix decoding
+        drafts only from the outputs of the same tenant's requests."""
         if params.n != 1:
             raise ValueError("n: the engine takes one sequence per request; fan out n above it")
         if request_id in self.requests:
@@ -169,7 +172,7 @@ class Engine:
         self.validate(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, seed,
-                      arrival_time, prompt)
+                      arrival_time, prompt, tenant)
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                        params.include_stop_str_in_output, params.skip_special_tokens)
         self.requests[request_id], self._detok[request_id] = req, detok  # nothing above changed state
@@ -341,7 +344,10 @@ class Engine:
     def _finish(self, req: Request) -> None:
         req.finished_time = time.time()
         self.scheduler.remove(req)
-        self.spec.free(req.request_id)
+        if req.status == RequestStatus.FINISHED_ERROR:
+            self.spec.free(req.request_id)
+        else:
+            self.spec.finish(req)
         self._passed_at.pop(req.request_id, None)
         self._detok[req.request_id].flush()
 

@@ -177,8 +177,9 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], sampling_seed: int, arrival_time: float | None = None,
-                 prompt: str | None = None) -> None:
+                 prompt: str | None = None, tenant: str | None = None) -> None:
         self.request_id = request_id
+        self.tenant = tenant  # whose earlier outputs it may draft from (suffix decoding)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

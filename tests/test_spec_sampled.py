@@ -122,3 +122,22 @@ def test_broken_rules_are_detected(spec_llm, target_probs, monkeypatch):
         assert _pvalue(third_tokens(spec_llm, seeded=False), target_probs) < 1e-6
     monkeypatch.setattr(rejection, "coupled_tokens", lambda probs, s, p: probs.argmax(-1))
     assert _pvalue(third_tokens(spec_llm), target_probs) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def suffix_llm(make_llm, models):
+    # suffix trees: many branches from the outputs of the requests that finished before
+    return make_llm(str(models[0]), dtype="float32", num_blocks=8192, block_size=2,
+                    max_num_seqs=256, max_num_batched_tokens=4096, speculative_config={
+                        "method": "suffix", "num_speculative_tokens": 4, "adaptive": False})
+
+
+def test_suffix_trees_sample_the_target(suffix_llm, target_probs):
+    """One-hot trees with several branches per node, from other requests' outputs: the rule
+    for trees keeps the target's distribution."""
+    stats = suffix_llm.engine.stats
+    drafted, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+    counts = third_tokens(suffix_llm, seeded=False)
+    drafted, accepted = stats.spec_num_draft_tokens - drafted, stats.spec_num_accepted_tokens - accepted
+    assert drafted >= NUM_SAMPLES // 2 and 0.05 < accepted / drafted < 0.95
+    assert _pvalue(counts, target_probs) > 1e-3

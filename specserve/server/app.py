@@ -41,25 +41,33 @@ def error_response(status: int, message: str, param: str | None = None,
 
 class APIKeyMiddleware:
     """Pure ASGI (so streaming and disconnect detection stay untouched): every route needs
-    `Authorization: Bearer KEY` (the scheme in any case) except /health, and /metrics when
-    `public_metrics` is set."""
+    `Authorization: Bearer KEY` (the scheme in any case) with one of the keys, except /health,
+    and /metrics when `public_metrics` is set. Each key is a tenant: the request's
+    `state.tenant` names which ("key-<i>"), so that what one tenant's requests wrote is never
+    drafted for another's (suffix decoding)."""
 
-    def __init__(self, app: ASGIApp, api_key: str, public_metrics: bool = False) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str], public_metrics: bool = False) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.expected = [key.encode() for key in api_keys]
         self.open_paths = {"/health"} | ({"/metrics"} if public_metrics else set())
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _tenant(self, scope: Scope) -> str | None:
         given = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, key = given.strip().partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
+        found = None
+        for i, expected in enumerate(self.expected):  # every key compared: no timing by position
+            if hmac.compare_digest(key.strip(), expected) and found is None:
+                found = f"key-{i}"
+        return found if scheme.lower() == b"bearer" else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths \
-                and not self._authorized(scope):
-            response = error_response(401, "Incorrect API key provided.", code="invalid_api_key")
-            await response(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            tenant = self._tenant(scope)
+            if tenant is None and scope["path"] not in self.open_paths:
+                response = error_response(401, "Incorrect API key provided.", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 
@@ -217,7 +225,8 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 MAX_DETOKENIZE = 1 << 16  # tokens per /detokenize call (or the context length, if longer)
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+def build_app(async_engine: AsyncEngine, served_model_name: str,
+              api_key: str | list[str] | None = None,
               aliases: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               tool_call_parser: str | None = None, public_metrics: bool = False) -> FastAPI:
     ctx = ServingContext.create(async_engine, served_model_name, aliases, tool_call_parser)
@@ -238,8 +247,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(CatchAllMiddleware)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, public_metrics=public_metrics)
+    keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or [] if k]
+    if keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=keys, public_metrics=public_metrics)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # outermost: before the key check
 
     @app.get("/health")
@@ -293,7 +303,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        call = ChatCall(ctx, body)
+        call = ChatCall(ctx, body, getattr(request.state, "tenant", None))
         await call.start()
         if body.stream:
             return _SSEResponse(call)
@@ -301,7 +311,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        call = CompletionCall(ctx, body)
+        call = CompletionCall(ctx, body, getattr(request.state, "tenant", None))
         await call.start()
         if body.stream:
             return _SSEResponse(call)

@@ -47,6 +47,7 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     stream: "RequestStream"
+    tenant: str | None = None
 
 
 @dataclass
@@ -306,9 +307,10 @@ class AsyncEngine:
             raise ServerBusyError(f"the server is at capacity ({self.num_in_flight} sequences "
                                   "running or queued); retry later", retry_after=1.0)
 
-    async def add_requests(self, requests: list[tuple[str, list[int], SamplingParams, str | None]]
-                           ) -> RequestStream:
-        """Submit requests that share one stream; returns once the engine has accepted all."""
+    async def add_requests(self, requests: list[tuple[str, list[int], SamplingParams, str | None]],
+                           tenant: str | None = None) -> RequestStream:
+        """Submit requests that share one stream (sent by `tenant`); returns once the engine has
+        accepted all."""
         self.check_admission(len(requests))
         stream = RequestStream(self, [r[0] for r in requests])
         self.num_in_flight += len(requests)
@@ -318,7 +320,7 @@ class AsyncEngine:
             stream._timer = self._loop.call_later(self.request_timeout, stream._put, RequestTimeoutError(
                 f"the request ran longer than the server's limit of {self.request_timeout:g} s"))
         for request_id, token_ids, params, prompt in requests:
-            self._inbox.put(_Add(request_id, list(token_ids), params, prompt, stream))
+            self._inbox.put(_Add(request_id, list(token_ids), params, prompt, stream, tenant))
         self._wake.set()
         if self.error is not None:  # died meanwhile: nobody will drain the inbox
             self._fail_inbox()
@@ -396,7 +398,7 @@ class AsyncEngine:
             error: BaseException | None = None
             try:
                 self.engine.add_request(item.request_id, item.prompt_token_ids, item.params,
-                                        prompt=item.prompt)
+                                        prompt=item.prompt, tenant=item.tenant)
                 self._streams[item.request_id] = item.stream
             except (ValueError, TypeError) as e:
                 error = e if isinstance(e, ValueError) else ValueError(str(e))

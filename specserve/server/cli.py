@@ -60,9 +60,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
                    help="larger request bodies get HTTP 413 (default 16 MiB)")
-    s.add_argument("--api-key", default=None,
+    s.add_argument("--api-key", action="append", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health "
-                        "(default: $SPECSERVE_API_KEY if set)")
+                        "(default: $SPECSERVE_API_KEY if set); repeat it for several tenants: "
+                        "suffix decoding drafts only from the same key's outputs")
     s.add_argument("--require-api-key", action="store_true",
                    help="refuse to start on an address other than loopback without an API key "
                         "(the container image sets it)")
@@ -109,7 +110,7 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key or env_str("API_KEY") or None
+    api_key = args.api_key or ([env_str("API_KEY")] if env_str("API_KEY") else None)
     if args.require_api_key and not api_key and not _is_loopback(args.host):
         print(f"specserve serve: refusing to serve on {args.host} without an API key: set "
               "SPECSERVE_API_KEY (or --api-key), or bind to 127.0.0.1", file=sys.stderr)

@@ -342,12 +342,13 @@ def fan_out(base_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
     return out
 
 
-async def submit(ctx: ServingContext, requests: list) -> Any:
-    """Compile the call's grammar off the engine thread, then hand its requests to the engine."""
+async def submit(ctx: ServingContext, requests: list, tenant: str | None = None) -> Any:
+    """Compile the call's grammar off the engine thread, then hand its requests to the engine
+    (`tenant`: the API key it came with, see tenant_of)."""
     if requests:
         await ctx.compile_grammar(requests[0][2])
     try:
-        return await ctx.async_engine.add_requests(requests)
+        return await ctx.async_engine.add_requests(requests, tenant)
     except ValueError as e:
         raise from_value_error(e) from None
 

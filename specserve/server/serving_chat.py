@@ -173,8 +173,8 @@ class _ToolCallStream:
 class ChatCall:
     """One validated chat request, submitted to the engine."""
 
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest) -> None:
-        self.ctx, self.req = ctx, req
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, tenant: str | None = None) -> None:
+        self.ctx, self.req, self.tenant = ctx, req, tenant
         self.request_id = random_id("chatcmpl")
         self.created = now()
         self.model = req.model or ctx.served_model_name
@@ -223,7 +223,7 @@ class ChatCall:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         ctx.check_prompt_text(sum(len(m.text()) for m in req.messages), "messages")
         requests = await ctx.run_blocking(self._prepare)
-        self.stream = await submit(ctx, requests)
+        self.stream = await submit(ctx, requests, self.tenant)
 
     def _prepare(self) -> list:
         """The engine requests of the call (on the preprocessing thread: the chat template and

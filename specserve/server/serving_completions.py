@@ -79,8 +79,8 @@ class _LogprobBuilder:
 
 
 class CompletionCall:
-    def __init__(self, ctx: ServingContext, req: CompletionRequest) -> None:
-        self.ctx, self.req = ctx, req
+    def __init__(self, ctx: ServingContext, req: CompletionRequest, tenant: str | None = None) -> None:
+        self.ctx, self.req, self.tenant = ctx, req, tenant
         self.request_id = random_id("cmpl")
         self.created = now()
         self.model = req.model or ctx.served_model_name
@@ -101,7 +101,7 @@ class CompletionCall:
         items = prompt_items(req.prompt)
         ctx.admit(len(items) * req.n)
         requests = await ctx.run_blocking(self._prepare, items)
-        self.stream = await submit(ctx, requests)
+        self.stream = await submit(ctx, requests, self.tenant)
 
     def _prepare(self, items: list[Any]) -> list:
         """The engine requests of the call (on the preprocessing thread)."""

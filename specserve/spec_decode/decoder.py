@@ -61,6 +61,14 @@ class SpecDecoder:
                 state.grammar.consume(req.output_token_ids)
         return state
 
+    def finish(self, req: Request) -> None:
+        """A request finished: a proposer that learns across requests keeps its output (suffix
+        decoding's corpus), then the request is freed."""
+        remember = getattr(self.proposer, "remember", None)
+        if remember is not None and req.num_output_tokens:
+            remember(req.request_id, req.output_token_ids, req.tenant)
+        self.free(req.request_id)
+
     def free(self, request_id: str) -> None:
         """A request finished, or preempted (its drafts and every cache of it are gone; what
         it needs again is rebuilt from its tokens)."""
@@ -264,7 +272,7 @@ class SpecDecoder:
             [r.request_id for r in reqs], [r.all_token_ids for r in reqs],
             [ks[j] for j in chosen], self.policy.min_score(batch),
             [r.params for r in reqs], [r.sampling_seed for r in reqs], [r.block_ids for r in reqs],
-            [r.num_computed_tokens for r in reqs])
+            [r.num_computed_tokens for r in reqs], [r.tenant for r in reqs])
         start = time.perf_counter()
         drafted = self.proposer.propose(batch_in)
         if self.policy.adaptive:

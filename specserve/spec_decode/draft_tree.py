@@ -123,6 +123,7 @@ class ProposeBatch:
     seeds: list[int]  # each request's sampling seed
     block_ids: list[list[int]]  # block tables (a draft model's own KV uses the target's tables)
     num_computed: list[int]  # positions whose target KV is computed (the rest may be stale)
+    tenants: list[str | None] | None = None  # whose text each request may draft from (suffix)
 
 
 class Proposer(Protocol):

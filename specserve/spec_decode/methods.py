@@ -3,9 +3,10 @@
 `resolve` turns the default method "auto" into a real one (values are checked when the config
 is made: specserve.config.SpecConfig); `kv_bytes_per_block` is the KV memory a method adds per
 block (a draft model's cache); `make_decoder` builds the SpecDecoder with its proposer, prompt
-lookup and policy: ngram (lookup alone), draft_model (draft_model.DraftModelProposer), eagle
-(eagle.EagleProposer) and medusa (medusa.MedusaProposer), the last two with a grafted lookup
-chain.
+lookup and policy: ngram (lookup alone), suffix (suffix.SuffixProposer: frequency-scored trees
+from the request's text and its tenant's earlier outputs), draft_model
+(draft_model.DraftModelProposer), eagle (eagle.EagleProposer) and medusa
+(medusa.MedusaProposer), the last two with a grafted lookup chain.
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
     proposer, chain = None, 0
     if config.method == "ngram":
         chain = k
+    elif config.method == "suffix":
+        from specserve.spec_decode.suffix import DEFAULT_CORPUS_TOKENS, SuffixProposer
+
+        extra = config.extra
+        proposer = SuffixProposer(k, config.prompt_lookup_min, extra.get("max_match", 12),
+                                  extra.get("corpus_tokens", DEFAULT_CORPUS_TOKENS),
+                                  extra.get("shared_corpus", False))
     elif config.method == "draft_model":
         from specserve.spec_decode.draft_model import DraftModelProposer
 

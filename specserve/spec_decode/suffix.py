@@ -1,0 +1,215 @@
+"""Suffix decoding: draft trees from what followed the context's suffix before, in this request
+and in earlier requests of the same tenant, scored by how often each continuation followed
+(method "suffix"; docs/speculation.md).
+
+No model runs: a draft costs a few dictionary reads. For each request the longest suffix of
+its committed tokens (max_match down to min_match tokens) is looked up among the n-grams of
+its own prompt and output (`SuffixIndex`, grown with its committed tokens) and of the outputs
+of recent finished requests of the same tenant (`SuffixCorpus`, bounded, oldest out). The
+continuations of the most recent occurrences of the longest suffix found are merged into a
+trie; a node's count is how many occurrences continue through it, its score the log of a
+smoothed probability of its path (count / (parent's count + 1) along the way: one occurrence
+does not make a deep chain certain). The best-scored nodes, at most max_drafts, form the tree;
+the policy's calibration learns what a score is worth in accepted tokens, and the cost model
+keeps the nodes that pay their rows. Trees are one-hot, so verification is exact for greedy
+and sampled requests alike.
+
+Tenants: a request drafts only from its own text and from the outputs of requests of the same
+tenant (the API key it came with), so nothing one tenant wrote can be drafted for another, nor
+be probed through acceptance timing. `shared_corpus: true` makes all tenants one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+
+from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
+
+MAX_OCCURRENCES = 16  # most recent occurrences of an n-gram whose continuations are merged
+DEFAULT_CORPUS_TOKENS = 1 << 16  # per tenant: output tokens of finished requests kept
+
+
+def _key(tokens: list[int], end: int, n: int) -> int:
+    """The n-gram tokens[end - n:end] as a dictionary key (a collision only costs a draft that
+    verification rejects)."""
+    return hash(tuple(tokens[end - n:end]))
+
+
+class SuffixIndex:
+    """Where each n-gram (min_n <= n <= max_n) of one token sequence occurs: the positions of
+    the tokens that followed it, oldest first, at most MAX_OCCURRENCES kept per n-gram."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.after: dict[int, deque[int]] = {}
+        self.size = 0  # tokens indexed
+
+    def sync(self, tokens: list[int]) -> None:
+        """Index the tokens appended since the last call (committed tokens only grow)."""
+        if len(tokens) < self.size:  # never for committed tokens; rebuild to stay safe
+            self.after.clear()
+            self.size = 0
+        after, lo, hi = self.after, self.min_n, self.max_n
+        for p in range(max(1, self.size), len(tokens)):
+            for n in range(lo, min(hi, p) + 1):
+                at = after.get(k := _key(tokens, p, n))
+                if at is None:
+                    after[k] = deque([p], MAX_OCCURRENCES)
+                else:
+                    at.append(p)
+        self.size = len(tokens)
+
+    def positions(self, key: int) -> deque[int] | None:
+        return self.after.get(key)
+
+
+class SuffixCorpus:
+    """The outputs of one tenant's finished requests, at most `max_tokens` in all (oldest out),
+    and where each of their n-grams occurs (most recent MAX_OCCURRENCES)."""
+
+    def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
+        self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
+        self.docs: OrderedDict[int, list[int]] = OrderedDict()
+        self.after: dict[int, deque[tuple[int, int]]] = {}  # n-gram -> (doc, position after it)
+        self.num_tokens = 0
+        self._next_doc = 0
+
+    def add(self, tokens: list[int]) -> None:
+        if len(tokens) <= self.min_n or len(tokens) > self.max_tokens:
+            return
+        doc, self._next_doc = self._next_doc, self._next_doc + 1
+        self.docs[doc] = tokens = list(tokens)
+        self.num_tokens += len(tokens)
+        for p, n in self._grams(tokens):
+            at = self.after.get(k := _key(tokens, p, n))
+            if at is None:
+                self.after[k] = deque([(doc, p)], MAX_OCCURRENCES)
+            else:
+                at.append((doc, p))
+        while self.num_tokens > self.max_tokens:
+            self._evict()
+
+    def _grams(self, tokens: list[int]):
+        for p in range(1, len(tokens)):
+            for n in range(self.min_n, min(self.max_n, p) + 1):
+                yield p, n
+
+    def _evict(self) -> None:
+        doc, tokens = self.docs.popitem(last=False)
+        self.num_tokens -= len(tokens)
+        for p, n in self._grams(tokens):
+            k = _key(tokens, p, n)
+            at = self.after.get(k)
+            if at is not None:
+                try:
+                    at.remove((doc, p))
+                except ValueError:  # pushed out by newer occurrences already
+                    pass
+                if not at:
+                    del self.after[k]
+
+    def occurrences(self, key: int) -> list[tuple[list[int], int]]:
+        return [(self.docs[d], p) for d, p in self.after.get(key, ())]
+
+
+class SuffixProposer:
+    """Method "suffix": trees from the request's own text and its tenant's recent outputs."""
+
+    name = "suffix"
+    needs_hidden = False
+
+    def __init__(self, max_drafts: int, min_match: int = 1, max_match: int = 12,
+                 corpus_tokens: int = DEFAULT_CORPUS_TOKENS, shared_corpus: bool = False) -> None:
+        self.max_drafts, self.min_n, self.max_n = max_drafts, min_match, max_match
+        self.corpus_tokens, self.shared = corpus_tokens, shared_corpus
+        self._index: dict[str, SuffixIndex] = {}
+        self._corpora: dict[str | None, SuffixCorpus] = {}
+
+    def corpus(self, tenant: str | None) -> SuffixCorpus:
+        key = None if self.shared else tenant
+        found = self._corpora.get(key)
+        if found is None:
+            found = self._corpora[key] = SuffixCorpus(self.min_n, self.max_n, self.corpus_tokens)
+        return found
+
+    def observe(self, request_ids, starts, sizes, hidden) -> None:  # needs_hidden is False
+        pass
+
+    def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:
+        out: list[DraftTree | None] = []
+        tenants = batch.tenants or [None] * len(batch.request_ids)
+        for rid, tokens, k, tenant in zip(batch.request_ids, batch.token_ids, batch.max_drafts, tenants):
+            index = self._index.get(rid)
+            if index is None:
+                index = self._index[rid] = SuffixIndex(self.min_n, self.max_n)
+            index.sync(tokens)
+            out.append(self.draft(tokens, index, self.corpus(tenant), min(k, self.max_drafts),
+                                  batch.min_score))
+        return out
+
+    def draft(self, tokens: list[int], index: SuffixIndex, corpus: SuffixCorpus, k: int,
+              min_score: float = -math.inf) -> DraftTree | None:
+        """The tree of at most k nodes for the context `tokens` (indexed in `index`)."""
+        if k <= 0:
+            return None
+        sources = self._match(tokens, index, corpus)
+        if not sources:
+            return None
+        # the trie of continuations: node -> [count, token, parent, children {token: node}]
+        count, token, parent, kids = [len(sources)], [-1], [-1], [{}]
+        for seq, p in sources:
+            at = 0
+            # past the end of the request's own text the match continues over its copy (a
+            # loop of period len - p yields k tokens); another request's output just ends
+            period = len(seq) - p if seq is tokens else k
+            for j in range(k if seq is tokens else min(k, len(seq) - p)):
+                t = seq[p + j % period]
+                child = kids[at].get(t)
+                if child is None:
+                    child = kids[at][t] = len(count)
+                    count.append(0)
+                    token.append(t)
+                    parent.append(at)
+                    kids.append({})
+                count[child] += 1
+                at = child
+        score = [0.0] * len(count)
+        for node in range(1, len(count)):  # parents come first
+            score[node] = score[parent[node]] + math.log(count[node] / (count[parent[node]] + 1))
+        # best first: a child never scores above its parent, so the chosen nodes form a tree
+        chosen = [n for n in heapq.nlargest(k, range(1, len(count)), key=lambda n: (score[n], -n))
+                  if score[n] >= min_score]
+        if not chosen:
+            return None
+        keep = set(chosen)
+        order, stack = [], sorted((c for c in kids[0].values() if c in keep), key=lambda c: -count[c])[::-1]
+        while stack:  # depth first, the most frequent child first
+            node = stack.pop()
+            order.append(node)
+            stack += sorted((c for c in kids[node].values() if c in keep), key=lambda c: -count[c])[::-1]
+        slot = {node: i for i, node in enumerate(order)}
+        return DraftTree([token[n] for n in order], [slot.get(parent[n], -1) for n in order],
+                         None, [score[n] for n in order], True)
+
+    def _match(self, tokens: list[int], index: SuffixIndex, corpus: SuffixCorpus
+               ) -> list[tuple[list[int], int]]:
+        """(sequence, position) of the continuations of the longest suffix of `tokens` found in
+        the request's own text or its tenant's corpus, most recent first."""
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            key = _key(tokens, length, n)
+            own = index.positions(key)
+            found = [(tokens, p) for p in reversed(own) if p < length] if own else []
+            found += corpus.occurrences(key)[::-1]
+            if found:
+                return found[:2 * MAX_OCCURRENCES]
+        return []
+
+    def remember(self, request_id: str, output: list[int], tenant: str | None) -> None:
+        """A request finished: its output joins its tenant's corpus."""
+        self.corpus(tenant).add(output)
+
+    def free(self, request_id: str) -> None:
+        self._index.pop(request_id, None)

@@ -1,0 +1,142 @@
+"""Suffix decoding (spec_decode/suffix.py): trees from the request's own text and its tenant's
+earlier outputs, scored by frequency; lossless greedy output on the default model; tenants
+never draft from each other's text; the corpus stays within its bound."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from specserve import SamplingParams
+from specserve.spec_decode.draft_tree import ProposeBatch
+from specserve.spec_decode.suffix import SuffixCorpus, SuffixIndex, SuffixProposer
+from tests.spec_helpers import (HIT_PROMPTS, MAX_TOKENS, MISS_PROMPTS, check_prefix_cache,
+                                check_tree, greedy_baseline, token_ids)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+def draft(tokens, k=8, corpus=None, proposer=None):
+    proposer = proposer or SuffixProposer(k, 1, 6)
+    index = SuffixIndex(proposer.min_n, proposer.max_n)
+    index.sync(tokens)
+    return proposer.draft(tokens, index, corpus or proposer.corpus(None), k)
+
+
+def test_the_longest_suffix_continues_and_loops_continue_over_their_copy():
+    # "2 3" came before "7 8" (most recently) and before "9 1": both first tokens are as
+    # likely, and the most recent continuation is the first path
+    tree = check_tree(draft([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], k=3))
+    assert (tree.tokens, tree.parents) == ([7, 8, 9], [-1, 0, -1])
+    tree = check_tree(draft([1, 2, 1, 2, 1, 2], k=5))
+    assert tree.tokens[:5] == [1, 2, 1, 2, 1]
+    assert draft([4, 5, 6]) is None
+
+
+def test_frequent_continuations_come_first_and_scores_fall_with_depth():
+    # after "5" came "6 7" three times and "8 9" once (nothing longer than "5" recurs)
+    tokens = [5, 6, 7, 1, 5, 8, 9, 2, 5, 6, 7, 3, 5, 6, 7, 4, 5]
+    tree = check_tree(draft(tokens, k=6))
+    assert tree.tokens[0] == 6 and tree.parents[:2] == [-1, 0] and tree.tokens[1] == 7
+    assert 8 in tree.tokens and tree.parents[tree.tokens.index(8)] == -1  # the rarer branch
+    assert all(tree.scores[i] < (tree.scores[p] if p >= 0 else 0.0) for i, p in enumerate(tree.parents))
+    six, eight = tree.scores[0], tree.scores[tree.tokens.index(8)]
+    assert math.exp(six) == pytest.approx(3 / 5) and math.exp(eight) == pytest.approx(1 / 5)
+    assert len(draft(tokens, k=2)) == 2
+
+
+def test_random_sequences_give_valid_trees_within_k():
+    rng = random.Random(0)
+    proposer = SuffixProposer(12, 1, 5)
+    for _ in range(200):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 60))]
+        k = rng.randrange(1, 13)
+        tree = draft(tokens, k, proposer=proposer)
+        if tree is not None:
+            check_tree(tree)
+            assert 1 <= len(tree) <= k and tree.dfs
+
+
+def test_a_tenant_drafts_only_from_its_own_outputs():
+    proposer = SuffixProposer(8, 1, 6)
+    secret = [11, 12, 13, 14, 15, 16, 17, 18]
+    proposer.remember("a", secret, "key-0")
+    context = [1, 2, 11, 12, 13]
+
+    def propose(tenant):
+        batch = ProposeBatch([f"r-{tenant}"], [context], [4], -math.inf, [GREEDY], [0], [[]], [0],
+                             [tenant])
+        return proposer.propose(batch)[0]
+
+    assert propose("key-0").tokens == [14, 15, 16, 17]
+    assert propose("key-1") is None and propose(None) is None
+    shared = SuffixProposer(8, 1, 6, shared_corpus=True)
+    shared.remember("a", secret, "key-0")
+    assert shared.draft(context, SuffixIndex(1, 6), shared.corpus("key-1"), 4).tokens == [14, 15, 16, 17]
+
+
+def test_the_corpus_keeps_at_most_its_bound():
+    corpus = SuffixCorpus(1, 4, max_tokens=100)
+    rng = random.Random(1)
+    for _ in range(50):
+        corpus.add([rng.randrange(20) for _ in range(30)])
+    assert corpus.num_tokens <= 100 and len(corpus.docs) == 3
+    live = {(d, p) for d, toks in corpus.docs.items() for p in range(len(toks))}
+    assert all(entry in live for occ in corpus.after.values() for entry in occ)
+    corpus.add(list(range(500)))  # longer than the whole corpus: not kept
+    assert corpus.num_tokens <= 100
+
+
+@pytest.fixture(scope="module")
+def suffix_llm(make_llm):
+    # every drafted node verified: what the drafts are worth shows in the acceptance counts
+    return make_llm(max_model_len=2048, speculative_config={
+        "method": "suffix", "num_speculative_tokens": 8, "adaptive": False})
+
+
+def test_greedy_equals_plain_decoding_and_the_corpus_pays(llm, suffix_llm):
+    expect = greedy_baseline(llm)
+    engine = suffix_llm.engine
+    prompts = HIT_PROMPTS + MISS_PROMPTS
+    outs = suffix_llm.generate(prompts, GREEDY)
+    assert token_ids(outs) == [expect[p] for p in prompts]
+    check_prefix_cache(engine, [o.prompt_token_ids + o.outputs[0].token_ids for o in outs])
+    # a new question twice: the second answer is drafted from the first one's, and accepted
+    question, params = "Tell me about the moon.", SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                 ignore_eos=True)
+    plain = token_ids(llm.generate([question], params))
+    assert token_ids(suffix_llm.generate([question], params)) == plain
+    before = engine.stats.spec_num_accepted_tokens
+    assert token_ids(suffix_llm.generate([question], params)) == plain
+    assert engine.stats.spec_num_accepted_tokens - before >= MAX_TOKENS // 2
+
+
+def test_through_the_server_each_api_key_is_a_tenant():
+    """Two keys: what key A's requests wrote speeds up A's next request, never B's."""
+    import httpx
+
+    from tests.server_fixtures import ServerProcess
+
+    server = ServerProcess(["--max-model-len", "512", "--api-key", "key-a", "--api-key", "key-b",
+                            "--speculative-config",
+                            '{"method": "suffix", "num_speculative_tokens": 8, "adaptive": false}'])
+    try:
+        def accepted(key: str) -> tuple[int, list]:
+            r = httpx.post(f"{server.base_url}/v1/completions", timeout=120,
+                           headers={"Authorization": f"Bearer {key}"},
+                           json={"prompt": "Tell me about the moon.", "max_tokens": 32,
+                                 "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            return body["usage"]["speculation"]["num_accepted_tokens"], body["choices"][0]["text"]
+
+        first_a, text = accepted("key-a")
+        second_a, again = accepted("key-a")
+        first_b, other = accepted("key-b")
+        assert text == again == other  # lossless whoever drafts what
+        assert second_a >= 16 and second_a > first_a
+        assert first_b <= first_a  # B drafted from its own prompt only, as A did at first
+    finally:
+        server.stop()
