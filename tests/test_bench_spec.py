@@ -98,3 +98,28 @@ def test_the_baseline_does_not_speculate(tmp_path, monkeypatch):
     assert list(engines) == ["none", "ngram"]
     assert engines["none"].engine.config.spec.method is None
     assert engines["ngram"].engine.config.spec.method == "ngram"
+
+
+def test_the_agentic_workload_splits_and_runs_every_turn(tmp_path, tiny_model_dir):
+    """Its conversations are half dev, half heldout, of every kind in both; one run on a tiny
+    model goes through every turn of the held-out half with plain, ngram and suffix engines."""
+    import argparse
+
+    from specserve.bench.spec import add_args, load_conversations, run
+
+    dev, heldout = load_conversations("dev"), load_conversations("heldout")
+    assert len(dev) == len(heldout) and {c["kind"] for c in dev} == {c["kind"] for c in heldout}
+    assert all(len(c["turns"]) >= 2 for c in dev + heldout)
+    with pytest.raises(ValueError, match="--split"):
+        load_conversations("test")
+
+    args = add_args(argparse.ArgumentParser()).parse_args([
+        "--model", str(tiny_model_dir), "--max-model-len", "1024", "--workload", "agentic",
+        "--split", "heldout", "--suffix", "--max-tokens", "4", "--out", str(tmp_path / "out")])
+    result = run(args)
+    assert {r["method"] for r in result["rows"]} == {"none", "ngram", "suffix"}
+    assert {r["category"] for r in result["rows"]} == {c["kind"] for c in heldout}
+    turns = sum(len(c["turns"]) for c in heldout)
+    assert sum(r["tokens"] for r in result["rows"] if r["method"] == "none") == 4 * turns
+    assert all(r["mismatches"] == 0 for r in result["rows"])
+    assert (tmp_path / "out" / "spec_bench.png").exists()

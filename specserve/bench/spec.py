@@ -1,8 +1,15 @@
 """`specserve bench spec`: speculative decoding over the Spec-Bench prompts, offline.
 
 Greedy, batch 1, first turn of each prompt (chat template applied). For every prompt the
-engines run back to back (no speculation, n-gram, and a draft model when --draft-model is
-given), so machine noise hits all of them alike. Reports per Spec-Bench category: tokens/s of
+engines run back to back (no speculation, n-gram, and suffix decoding, a draft model, EAGLE or
+Medusa when asked), so machine noise hits all of them alike.
+
+`--workload agentic` runs instead specserve/data/agentic.jsonl: conversations of our own
+(code edits, JSON edits, tool-call loops, text edits; half "dev", half "heldout", --split)
+whose later turns repeat what earlier turns wrote, as agents and editors do. Every turn is one
+request with the whole conversation so far, the assistant turns being plain decoding's
+replies (every method gives the same, greedy output being lossless); categories are the
+kinds. Reports per Spec-Bench category: tokens/s of
 each engine, speedup over no speculation, and mean acceptance length (1 + accepted drafts per
 verify step); checks that speculative outputs equal the plain ones token for token. Writes a
 table to stdout and spec_bench.json + spec_bench.png into --out.
@@ -25,6 +32,7 @@ from pathlib import Path
 from specserve.config import DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+AGENTIC_SPLITS = ("dev", "heldout", "all")
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
@@ -47,8 +55,22 @@ def load_prompts(categories: list[str], limit: int | None, mt_bench_split: bool 
     return out
 
 
+def load_conversations(split: str = "all") -> list[dict]:
+    """The agentic workload's conversations ({"id", "kind", "split", "system", "turns"})."""
+    if split not in AGENTIC_SPLITS:
+        raise ValueError(f"--split: expected one of {', '.join(AGENTIC_SPLITS)}, got {split!r}")
+    text = resources.files("specserve").joinpath("data/agentic.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [r for r in rows if split == "all" or r["split"] == split]
+
+
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="target model (default: the default model)")
+    parser.add_argument("--workload", choices=["spec_bench", "agentic"], default="spec_bench",
+                        help="Spec-Bench's first turns, or our multi-turn agentic conversations")
+    parser.add_argument("--split", choices=AGENTIC_SPLITS, default="all",
+                        help="agentic: the conversations to run (heldout: never used for tuning)")
+    parser.add_argument("--suffix", action="store_true", help="also run method suffix")
     parser.add_argument("--draft-model", default=None,
                         help="also run method draft_model with this draft (same vocabulary)")
     parser.add_argument("--eagle", nargs="?", const="default", default=None, metavar="HEAD_DIR",
@@ -159,7 +181,35 @@ def build_engines(args: argparse.Namespace, variants: list[tuple[str, dict]]) ->
     if args.medusa:
         engines["medusa"] = LLM(args.model, **common_engine,
                                 speculative_config={"method": "medusa", "model": args.medusa, **tree})
+    if args.suffix:
+        engines["suffix"] = LLM(args.model, **common_engine, speculative_config={
+            "method": "suffix", "adaptive": not args.no_adaptive,
+            "prompt_lookup_min": args.prompt_lookup_min})
     return engines
+
+
+def _run_turn(engines: dict, tallies: dict, ids: list[int], params) -> list[int]:
+    """One prompt through every engine, back to back; returns plain decoding's tokens."""
+    reference = None
+    for method, llm in engines.items():
+        stats = llm.engine.stats
+        d0, a0 = stats.spec_num_drafts, stats.spec_num_accepted_tokens
+        start = time.perf_counter()
+        result = llm.generate({"prompt_token_ids": ids}, params)[0]
+        elapsed = time.perf_counter() - start
+        out = result.outputs[0]
+        t = tallies[method]
+        t.tokens += len(out.token_ids)
+        t.seconds += elapsed
+        t.decode_tokens += len(out.token_ids) - 1
+        t.decode_seconds += result.finished_time - result.first_token_time
+        t.drafts += stats.spec_num_drafts - d0
+        t.accepted += stats.spec_num_accepted_tokens - a0
+        if reference is None:
+            reference = out.token_ids
+        elif out.token_ids != reference:
+            t.mismatches += 1
+    return reference
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -176,36 +226,32 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--min-draft-prob needs --eagle")
     if args.lookup_branch is not None and not (args.eagle or args.medusa):
         raise ValueError("--lookup-branch needs --eagle or --medusa")
-    categories = args.category or CATEGORIES
-    if args.mt_bench_split and "mt_bench" not in categories:
-        raise ValueError("--mt-bench-split needs the mt_bench category")
-    prompts = load_prompts(categories, args.limit, args.mt_bench_split)
-    categories = list(dict.fromkeys(c for c, _ in prompts))  # as reported (sub-categories split)
-    engines = build_engines(args, variants)
+    room = args.max_model_len - args.max_tokens - 8  # a prompt's tokens kept: room to generate
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    tallies = {c: {m: Tally() for m in engines} for c in categories}
-    for cat, turn in tqdm(prompts, desc="spec bench", unit="prompt"):
-        ids = engines["none"].apply_chat_template([{"role": "user", "content": turn}])
-        ids = ids[-(args.max_model_len - args.max_tokens - 8):]  # keep room to generate
-        reference = None
-        for method, llm in engines.items():
-            stats = llm.engine.stats
-            d0, a0 = stats.spec_num_drafts, stats.spec_num_accepted_tokens
-            start = time.perf_counter()
-            result = llm.generate({"prompt_token_ids": ids}, params)[0]
-            elapsed = time.perf_counter() - start
-            out = result.outputs[0]
-            t = tallies[cat][method]
-            t.tokens += len(out.token_ids)
-            t.seconds += elapsed
-            t.decode_tokens += len(out.token_ids) - 1
-            t.decode_seconds += result.finished_time - result.first_token_time
-            t.drafts += stats.spec_num_drafts - d0
-            t.accepted += stats.spec_num_accepted_tokens - a0
-            if reference is None:
-                reference = out.token_ids
-            elif out.token_ids != reference:
-                t.mismatches += 1
+    if args.workload == "agentic":
+        conversations = load_conversations(args.split)
+        categories = list(dict.fromkeys(c["kind"] for c in conversations))
+        engines = build_engines(args, variants)
+        tallies = {c: {m: Tally() for m in engines} for c in categories}
+        template, tokenizer = engines["none"].apply_chat_template, engines["none"].engine.tokenizer
+        for conv in tqdm(conversations, desc="agentic bench", unit="conversation"):
+            messages = [{"role": "system", "content": conv["system"]}] if conv.get("system") else []
+            for turn in conv["turns"]:
+                messages.append({"role": "user", "content": turn})
+                reply = _run_turn(engines, tallies[conv["kind"]], template(messages)[-room:], params)
+                messages.append({"role": "assistant",
+                                 "content": tokenizer.decode(reply, skip_special_tokens=True)})
+    else:
+        categories = args.category or CATEGORIES
+        if args.mt_bench_split and "mt_bench" not in categories:
+            raise ValueError("--mt-bench-split needs the mt_bench category")
+        prompts = load_prompts(categories, args.limit, args.mt_bench_split)
+        categories = list(dict.fromkeys(c for c, _ in prompts))  # as reported (sub-categories split)
+        engines = build_engines(args, variants)
+        tallies = {c: {m: Tally() for m in engines} for c in categories}
+        for cat, turn in tqdm(prompts, desc="spec bench", unit="prompt"):
+            ids = engines["none"].apply_chat_template([{"role": "user", "content": turn}])
+            _run_turn(engines, tallies[cat], ids[-room:], params)
     result = _summarise(args, tallies, list(engines))
     result["dtype"] = str(engines["none"].engine.runner.dtype).removeprefix("torch.")  # what auto chose
     _print_table(result)
@@ -263,8 +309,9 @@ def _plot(result: dict, path: Path) -> None:
     methods = [m for m in dict.fromkeys(r["method"] for r in result["rows"]) if m != "none"]
     series = {m: [next(r["speedup"] for r in result["rows"] if r["category"] == c and r["method"] == m)
                   for c in cats] for m in methods}
+    workload = "agentic conversations" if result["config"].get("workload") == "agentic" else "Spec-Bench"
     grouped_bars(path, cats, series, "decode speedup over no speculation",
-                 f"Spec-Bench, greedy, batch 1 ({result['date']})", baseline=1.0, rotation=20)
+                 f"{workload}, greedy, batch 1 ({result['date']})", baseline=1.0, rotation=20)
 
 
 def grouped_bars(path: Path, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str,
