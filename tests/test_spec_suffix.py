@@ -26,25 +26,24 @@ def draft(tokens, k=8, corpus=None, proposer=None):
 
 
 def test_the_longest_suffix_continues_and_loops_continue_over_their_copy():
-    # "2 3" came before "7 8" (most recently) and before "9 1": both first tokens are as
-    # likely, and the most recent continuation is the first path
+    # "2 3" came before "7 8 5" (most recently) and before "9 1": equally frequent, the most
+    # recent continuation wins the tie
     tree = check_tree(draft([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], k=3))
-    assert (tree.tokens, tree.parents) == ([7, 8, 9], [-1, 0, -1])
+    assert (tree.tokens, tree.parents) == ([7, 8, 5], [-1, 0, 1])
     tree = check_tree(draft([1, 2, 1, 2, 1, 2], k=5))
-    assert tree.tokens[:5] == [1, 2, 1, 2, 1]
+    assert tree.tokens == [1, 2, 1, 2, 1] and tree.is_chain
     assert draft([4, 5, 6]) is None
 
 
-def test_frequent_continuations_come_first_and_scores_fall_with_depth():
-    # after "5" came "6 7" three times and "8 9" once (nothing longer than "5" recurs)
-    tokens = [5, 6, 7, 1, 5, 8, 9, 2, 5, 6, 7, 3, 5, 6, 7, 4, 5]
-    tree = check_tree(draft(tokens, k=6))
-    assert tree.tokens[0] == 6 and tree.parents[:2] == [-1, 0] and tree.tokens[1] == 7
-    assert 8 in tree.tokens and tree.parents[tree.tokens.index(8)] == -1  # the rarer branch
-    assert all(tree.scores[i] < (tree.scores[p] if p >= 0 else 0.0) for i, p in enumerate(tree.parents))
-    six, eight = tree.scores[0], tree.scores[tree.tokens.index(8)]
-    assert math.exp(six) == pytest.approx(3 / 5) and math.exp(eight) == pytest.approx(1 / 5)
-    assert len(draft(tokens, k=2)) == 2
+def test_frequent_continuations_come_first_and_longer_matches_draft_more():
+    # after "5" came "6" twice and "8" once: two nodes for a one-token match
+    tree = check_tree(draft([5, 6, 1, 5, 6, 2, 5, 8, 3, 5], k=8))
+    assert (tree.tokens, tree.parents) == ([6, 8], [-1, -1])
+    assert [math.exp(x) for x in tree.scores] == pytest.approx([2 / 3, 1 / 3])
+    # a six-token match: up to 12 nodes
+    text = [7, 1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 0, 1, 2, 3, 4, 5, 6]
+    assert len(check_tree(draft(text, k=16))) == 12
+    assert len(draft(text, k=4)) == 4
 
 
 def test_random_sequences_give_valid_trees_within_k():

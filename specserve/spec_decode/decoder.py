@@ -258,8 +258,12 @@ class SpecDecoder:
 
     def _draft(self, eligible, states, batch: int) -> list[DraftTree | None]:
         """The per-request proposer, for the requests where it pays (and probes: `drafted`
-        with the gate off)."""
-        chosen = [j for j, s in enumerate(states) if self.policy.draft_pays(s, batch, self._num_drafted)]
+        with the gate off). A proposer whose drafts cost no model time (suffix decoding) drafts
+        for every request like prompt lookup, and its trees' first paths are valued like
+        lookup chains, by each request's own acceptance by depth."""
+        free = not getattr(self.proposer, "costs_per_request", True)
+        chosen = list(range(len(states))) if free else [
+            j for j, s in enumerate(states) if self.policy.draft_pays(s, batch, self._num_drafted)]
         trees: list[DraftTree | None] = [None] * len(eligible)
         ks = [min(self.max_drafts, room) for _, room in eligible]
         if self.proposer.name == "draft_model":  # its KV goes to the slots of the next verify step
@@ -279,7 +283,14 @@ class SpecDecoder:
             self.policy.draft_cost.update(len(chosen), time.perf_counter() - start)
         for j, tree in zip(chosen, drafted):
             trees[j] = tree
-            states[j].drafted = True
+            if free and tree is not None:  # the first path is valued (and learnt) as lookup
+                states[j].chain_nodes = path = tree.first_path()
+                if tree.scores is not None:
+                    tree.scores = [None] * len(path) + tree.scores[len(path):]
+            elif free:
+                states[j].chain_nodes = []
+            else:
+                states[j].drafted = True
         return trees
 
     def _select(self, eligible, states, trees, batch: int) -> None:

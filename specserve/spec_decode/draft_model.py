@@ -44,6 +44,7 @@ def draft_arch(model: str, target: ModelArch) -> tuple[object, ModelArch]:
 class DraftModelProposer:
     name = "draft_model"
     needs_hidden = False
+    costs_per_request = True
 
     def __init__(self, model: str, target: ModelRunner, model_config: ModelConfig, max_model_len: int,
                  chunk_size: int) -> None:

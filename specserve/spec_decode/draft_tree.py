@@ -84,6 +84,14 @@ class DraftTree:
             d.append(1 if p < 0 else d[p] + 1)
         return d
 
+    def first_path(self) -> list[int]:
+        """The nodes 0, 1, ... each the child of the one before: the first path of a depth-first
+        tree (its first-choice continuation)."""
+        n = 0
+        while n < len(self.parents) and self.parents[n] == n - 1:
+            n += 1
+        return list(range(n))
+
     @property
     def is_chain(self) -> bool:
         return self.parents == list(range(-1, len(self.tokens) - 1))
@@ -136,12 +144,15 @@ class Proposer(Protocol):
     * `propose(batch)`: one DraftTree (or None: no draft) per request of the batch, at most
       batch.max_drafts[i] nodes each.
     * `free(request_id)`: forget the request (finished, aborted or preempted).
+    `costs_per_request` False (suffix decoding: dictionary reads, no model) drafts for every
+    request every step, its first paths valued like prompt-lookup chains.
     Committed tokens are the only truth: drafts from earlier steps may have been rejected, or a
     request preempted, since anything was cached.
     """
 
     name: str
     needs_hidden: bool
+    costs_per_request: bool  # drafting runs a model: the policy gates it per request
 
     def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
         ...

@@ -67,6 +67,7 @@ class _Growing:
 class EagleProposer:
     name = "eagle"
     needs_hidden = True
+    costs_per_request = True
 
     def __init__(self, target_model, head_dir: str | Path | None = None,
                  num_speculative_tokens: int = DEFAULT_DRAFTS["eagle"], depth: int | None = None,

@@ -94,6 +94,7 @@ class MedusaProposer:
 
     name = "medusa"
     needs_hidden = True
+    costs_per_request = True
 
     def __init__(self, target_model, heads_dir, num_speculative_tokens: int = DEFAULT_DRAFTS["medusa"],
                  tree: list | None = None, quantize: bool = False) -> None:

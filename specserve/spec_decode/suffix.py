@@ -7,11 +7,13 @@ its committed tokens (max_match down to min_match tokens) is looked up among the
 its own prompt and output (`SuffixIndex`, grown with its committed tokens) and of the outputs
 of recent finished requests of the same tenant (`SuffixCorpus`, bounded, oldest out). The
 continuations of the most recent occurrences of the longest suffix found are merged into a
-trie; a node's count is how many occurrences continue through it, its score the log of a
-smoothed probability of its path (count / (parent's count + 1) along the way: one occurrence
-does not make a deep chain certain). The best-scored nodes, at most max_drafts, form the tree;
-the policy's calibration learns what a score is worth in accepted tokens, and the cost model
-keeps the nodes that pay their rows. Trees are one-hot, so verification is exact for greedy
+trie; a node's count is how many occurrences continue through it, its score the log of the
+share of occurrences that do (its path's frequency). The best-scored nodes form the tree, at
+most max_drafts and SPEC_PER_MATCHED per matched token (a one-token match is weak evidence, a
+twelve-token one strong). The decoder values the tree's first path (the most frequent
+continuation) like a prompt-lookup chain, by the request's own acceptance by depth, and the
+other branches by their scores as the policy's calibration learned them; the cost model keeps
+the nodes that pay their rows. Trees are one-hot, so verification is exact for greedy
 and sampled requests alike.
 
 Tenants: a request drafts only from its own text and from the outputs of requests of the same
@@ -28,6 +30,7 @@ from collections import OrderedDict, deque
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 
 MAX_OCCURRENCES = 16  # most recent occurrences of an n-gram whose continuations are merged
+SPEC_PER_MATCHED = 2.0  # nodes drafted per token of the matched suffix (at least 2, at most k)
 DEFAULT_CORPUS_TOKENS = 1 << 16  # per tenant: output tokens of finished requests kept
 
 
@@ -119,6 +122,7 @@ class SuffixProposer:
 
     name = "suffix"
     needs_hidden = False
+    costs_per_request = False  # a few dictionary reads: drafts for every request, every step
 
     def __init__(self, max_drafts: int, min_match: int = 1, max_match: int = 12,
                  corpus_tokens: int = DEFAULT_CORPUS_TOKENS, shared_corpus: bool = False) -> None:
@@ -154,9 +158,10 @@ class SuffixProposer:
         """The tree of at most k nodes for the context `tokens` (indexed in `index`)."""
         if k <= 0:
             return None
-        sources = self._match(tokens, index, corpus)
+        sources, matched = self._match(tokens, index, corpus)
         if not sources:
             return None
+        k = min(k, max(2, round(SPEC_PER_MATCHED * matched)))  # longer matches: longer drafts
         # the trie of continuations: node -> [count, token, parent, children {token: node}]
         count, token, parent, kids = [len(sources)], [-1], [-1], [{}]
         for seq, p in sources:
@@ -175,10 +180,10 @@ class SuffixProposer:
                     kids.append({})
                 count[child] += 1
                 at = child
-        score = [0.0] * len(count)
-        for node in range(1, len(count)):  # parents come first
-            score[node] = score[parent[node]] + math.log(count[node] / (count[parent[node]] + 1))
-        # best first: a child never scores above its parent, so the chosen nodes form a tree
+        # a node's score: the log of the share of occurrences that continue through it (its
+        # path's frequency); best first, a parent before its child on a tie (nodes are numbered
+        # parents first), so the chosen nodes form a tree
+        score = [math.log(c / count[0]) for c in count]
         chosen = [n for n in heapq.nlargest(k, range(1, len(count)), key=lambda n: (score[n], -n))
                   if score[n] >= min_score]
         if not chosen:
@@ -194,9 +199,9 @@ class SuffixProposer:
                          None, [score[n] for n in order], True)
 
     def _match(self, tokens: list[int], index: SuffixIndex, corpus: SuffixCorpus
-               ) -> list[tuple[list[int], int]]:
+               ) -> tuple[list[tuple[list[int], int]], int]:
         """(sequence, position) of the continuations of the longest suffix of `tokens` found in
-        the request's own text or its tenant's corpus, most recent first."""
+        the request's own text or its tenant's corpus, most recent first; and its length."""
         length = len(tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             key = _key(tokens, length, n)
@@ -204,8 +209,8 @@ class SuffixProposer:
             found = [(tokens, p) for p in reversed(own) if p < length] if own else []
             found += corpus.occurrences(key)[::-1]
             if found:
-                return found[:2 * MAX_OCCURRENCES]
-        return []
+                return found[:2 * MAX_OCCURRENCES], n
+        return [], 0
 
     def remember(self, request_id: str, output: list[int], tenant: str | None) -> None:
         """A request finished: its output joins its tenant's corpus."""
