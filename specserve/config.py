@@ -64,8 +64,9 @@ SPEC_METHODS = tuple(DEFAULT_DRAFTS)  # ngram, suffix, draft_model, eagle, medus
 # the draft head's weights ("auto" | "int8" | "none")
 SPEC_KEY_METHODS = {"lookup_branch": ("eagle", "medusa"), "min_draft_prob": ("eagle",),
                     "medusa_tree": ("medusa",), "quantization": ("eagle", "medusa"),
-                    "max_match": ("suffix",), "corpus_tokens": ("suffix",),
-                    "shared_corpus": ("suffix",)}
+                    "lookup": ("eagle", "medusa"), "max_match": ("suffix", "eagle", "medusa"),
+                    "corpus_tokens": ("suffix", "eagle", "medusa"),
+                    "shared_corpus": ("suffix", "eagle", "medusa")}
 
 
 def _int_at_least(value, low: int) -> bool:
@@ -149,6 +150,9 @@ class SpecConfig:
                              f"got {self.extra['corpus_tokens']!r}")
         if not isinstance(self.extra.get("shared_corpus", False), bool):
             raise ValueError("speculative_config.shared_corpus: must be true or false")
+        if self.extra.get("lookup", "ngram") not in ("ngram", "suffix"):
+            raise ValueError("speculative_config.lookup: expected ngram or suffix, got "
+                             f"{self.extra['lookup']!r}")
         unknown = sorted(set(self.extra) - set(SPEC_KEY_METHODS) - {"adaptive"})
         if unknown:  # vLLM has many more keys; accept them so configs carry over
             logger.warning("speculative_config: ignoring keys %s", ", ".join(unknown))

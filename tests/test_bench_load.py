@@ -114,3 +114,18 @@ def test_interleaved_loops_time_only_their_own_steps(tiny_model_dir):
     assert all(len(o) == 12 for o in alone.outputs) and runs[0].tokens == 5 * 12
     assert 0 < runs[0].seconds and 0 < runs[1].seconds and runs[0].seconds + runs[1].seconds <= wall
     assert not plain.has_unfinished_requests() and not ngram.has_unfinished_requests()
+
+
+def test_the_agentic_workload_runs_every_turn_losslessly(tmp_path, tiny_model_dir):
+    from specserve.bench.spec import load_conversations
+
+    result = run(parse(["--model", str(tiny_model_dir), "--concurrency", "2", "--max-tokens", "4",
+                        "--max-model-len", "1024", "--split", "heldout", "--workload", "agentic",
+                        "--config", 'suffix={"method": "suffix"}', "--out", str(tmp_path / "out")]))
+    conversations = load_conversations("heldout")
+    assert result["workload"] == "agentic"
+    assert result["num_prompts"] == sum(len(c["turns"]) for c in conversations)
+    assert set(result["prompts"]) == {c["kind"] for c in conversations}
+    row = result["rows"][0]
+    assert row["methods"]["suffix"]["mismatches"] == 0
+    assert row["methods"]["suffix"]["tokens"] == row["methods"]["none"]["tokens"]

@@ -139,3 +139,22 @@ def test_through_the_server_each_api_key_is_a_tenant():
         assert first_b <= first_a  # B drafted from its own prompt only, as A did at first
     finally:
         server.stop()
+
+
+def test_a_tree_method_takes_its_lookup_branch_from_suffix_decoding(llm, make_llm):
+    """EAGLE with `"lookup": "suffix"`: the grafted branch is the suffix tree's first path (and
+    learns across requests); greedy output stays plain decoding's."""
+    from specserve.config import SpecConfig
+    from specserve.spec_decode.suffix import SuffixProposer
+
+    with pytest.raises(ValueError, match="lookup"):
+        SpecConfig.parse({"method": "eagle", "lookup": "trie"})
+    with pytest.raises(ValueError, match="applies to method"):
+        SpecConfig.parse({"method": "ngram", "lookup": "suffix"})
+    hybrid = make_llm(max_model_len=2048, speculative_config={"method": "eagle", "lookup": "suffix",
+                                                              "adaptive": False})
+    assert isinstance(hybrid.engine.spec.lookup, SuffixProposer)
+    expect = greedy_baseline(llm)
+    prompts = HIT_PROMPTS + MISS_PROMPTS
+    assert token_ids(hybrid.generate(prompts, GREEDY)) == [expect[p] for p in prompts]
+    assert hybrid.engine.spec.lookup.corpus(None).num_tokens > 0

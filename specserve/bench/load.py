@@ -22,6 +22,10 @@ Per (level, method): throughput (output tokens / seconds of its own steps, prefi
 (requests whose token ids differ from plain decoding's; speculation is lossless, so 0).
 Writes a table to stdout and load.json + load.png into --out.
 
+`--workload agentic` runs instead every turn of specserve/data/agentic.jsonl's conversations
+(code, JSON, tool-call and text edits) as one request each, holding the conversation so far;
+its assistant turns are plain decoding's greedy replies, computed once before the timed runs.
+
 Not measured: latency (TTFT, inter-token; see `specserve bench serve`), sampled decoding,
 open-loop arrivals, the HTTP server.
 """
@@ -78,6 +82,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "identical engines differ by on this machine in this run (the noise floor)")
     parser.add_argument("--split", default="all", choices=SPLITS,
                         help="prompts to run (heldout: never used for tuning)")
+    parser.add_argument("--workload", choices=["chat_code", "agentic"], default="chat_code",
+                        help="single-turn chat and code prompts, or every turn of the agentic "
+                             "conversations (edits that repeat earlier context)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--out", default="bench_out/load", help="directory for JSON and PNG")
@@ -234,6 +241,30 @@ def encode(llm, rows: list[dict], max_tokens: int, max_model_len: int) -> list[l
     return out
 
 
+def agentic_prompt_ids(llm, split: str, max_tokens: int, max_model_len: int) -> tuple[list[list[int]], dict]:
+    """Every turn of the agentic conversations of `split` as a prompt (the conversation so far),
+    the assistant turns plain decoding's greedy replies (llm: a plain engine); and the count of
+    prompts per kind."""
+    from specserve import SamplingParams
+    from specserve.bench.spec import load_conversations
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    out, kinds = [], {}
+    for conv in load_conversations(split):
+        messages = [{"role": "system", "content": conv["system"]}] if conv.get("system") else []
+        for turn in conv["turns"]:
+            messages.append({"role": "user", "content": turn})
+            ids = llm.apply_chat_template(messages)
+            if len(ids) + max_tokens > max_model_len:
+                raise ValueError(f"conversation {conv['id']}: {len(ids)} tokens + --max-tokens "
+                                 f"{max_tokens} exceed --max-model-len {max_model_len}")
+            out.append(ids)
+            kinds[conv["kind"]] = kinds.get(conv["kind"], 0) + 1
+            reply = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].text
+            messages.append({"role": "assistant", "content": reply})
+    return out, kinds
+
+
 def warm_up(engines: dict, concurrency: int, params) -> None:
     """A short batch per engine (up to 16 in flight, a prompt outside the workload), so that
     no timed run pays first-call costs: first touches of the KV cache, batched code paths."""
@@ -289,7 +320,11 @@ def run(args: argparse.Namespace) -> dict:
     rows = load_prompts(args.split)
     engines = load_engines(args, configs)
     first = engines["none"]
-    prompt_ids = encode(first, rows, args.max_tokens, args.max_model_len)
+    if args.workload == "agentic":
+        prompt_ids, kinds = agentic_prompt_ids(first, args.split, args.max_tokens, args.max_model_len)
+    else:
+        prompt_ids = encode(first, rows, args.max_tokens, args.max_model_len)
+        kinds = {k: sum(r["kind"] == k for r in rows) for k in ("chat", "code")}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     warm_up(engines, max(args.concurrency), params)
     table = []
@@ -302,8 +337,8 @@ def run(args: argparse.Namespace) -> dict:
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
               "dtype": str(first.engine.runner.dtype).removeprefix("torch."),
               "quantization": args.quantization,
-              "split": args.split, "num_prompts": len(rows),
-              "prompts": {k: sum(r["kind"] == k for r in rows) for k in ("chat", "code")},
+              "split": args.split, "workload": args.workload, "num_prompts": len(prompt_ids),
+              "prompts": kinds,
               "methods": {"none": None, **({"none-2": None} if args.control else {}), **dict(configs)},
               "options": {k: v for k, v in vars(args).items() if k != "func" and not k.startswith("_")},
               "rows": table}
@@ -354,7 +389,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("throughput speedup over plain decoding")
-    ax.set_title(f"chat + code, split {result['split']}, greedy ({result['date']})")
+    workload = "agentic turns" if result.get("workload") == "agentic" else "chat + code"
+    ax.set_title(f"{workload}, split {result['split']}, greedy ({result['date']})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -64,9 +64,10 @@ class SpecDecoder:
     def finish(self, req: Request) -> None:
         """A request finished: a proposer that learns across requests keeps its output (suffix
         decoding's corpus), then the request is freed."""
-        remember = getattr(self.proposer, "remember", None)
-        if remember is not None and req.num_output_tokens:
-            remember(req.request_id, req.output_token_ids, req.tenant)
+        for proposer in filter(None, (self.proposer, self.lookup)):
+            remember = getattr(proposer, "remember", None)
+            if remember is not None and req.num_output_tokens:
+                remember(req.request_id, req.output_token_ids, req.tenant)
         self.free(req.request_id)
 
     def free(self, request_id: str) -> None:
@@ -234,7 +235,8 @@ class SpecDecoder:
         trees = self._draft(eligible, states, batch) if self.proposer is not None else [None] * len(eligible)
         if self.lookup is not None:
             chains = self.lookup.lookup([r.request_id for r, _ in eligible], [r.all_token_ids for r, _ in eligible],
-                                    [min(self.lookup.k, room) for _, room in eligible])
+                                        [min(self.lookup.k, room) for _, room in eligible],
+                                        [r.tenant for r, _ in eligible])
             for j, chain in enumerate(chains):
                 if chain:
                     trees[j], states[j].chain_nodes = (trees[j] or NO_DRAFTS).graft(chain)

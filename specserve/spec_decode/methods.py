@@ -72,7 +72,15 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
     else:
         proposer = _tree_proposer(config, runner, model_config.model, max_model_len)
         chain = 4 * config.extra.get("lookup_branch", LOOKUP_BRANCH)
-    lookup = NgramProposer(chain, config.prompt_lookup_min, config.prompt_lookup_max) if chain else None
+    lookup = None
+    if chain and config.extra.get("lookup", "ngram") == "suffix":  # a tree method's branch
+        from specserve.spec_decode.suffix import DEFAULT_CORPUS_TOKENS, SuffixProposer
+
+        lookup = SuffixProposer(chain, config.prompt_lookup_min, config.extra.get("max_match", 12),
+                                config.extra.get("corpus_tokens", DEFAULT_CORPUS_TOKENS),
+                                config.extra.get("shared_corpus", False))
+    elif chain:
+        lookup = NgramProposer(chain, config.prompt_lookup_min, config.prompt_lookup_max)
     adaptive = config.extra.get("adaptive", True)
     max_drafts = (k if proposer is not None else 0) + chain
     cost = StepCostModel.measure(runner, kv, min(scheduler_config.max_num_batched_tokens, 64)) if adaptive else None

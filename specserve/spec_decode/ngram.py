@@ -53,8 +53,10 @@ class NgramProposer:
         self.k, self.min_n, self.max_n = k, prompt_lookup_min, prompt_lookup_max
         self._index: dict[str, NgramIndex] = {}
 
-    def lookup(self, request_ids: list[str], token_ids: list[list[int]], ks: list[int]) -> list[list[int]]:
-        """One chain (maybe empty) per request, of at most ks[i] tokens."""
+    def lookup(self, request_ids: list[str], token_ids: list[list[int]], ks: list[int],
+               tenants: list[str | None] | None = None) -> list[list[int]]:
+        """One chain (maybe empty) per request, of at most ks[i] tokens (from its own text:
+        `tenants` do not matter here)."""
         out = []
         for rid, tokens, k in zip(request_ids, token_ids, ks):
             index = self._index.get(rid)

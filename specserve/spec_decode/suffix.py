@@ -141,16 +141,32 @@ class SuffixProposer:
     def observe(self, request_ids, starts, sizes, hidden) -> None:  # needs_hidden is False
         pass
 
+    def _indexed(self, request_id: str, tokens: list[int]) -> SuffixIndex:
+        index = self._index.get(request_id)
+        if index is None:
+            index = self._index[request_id] = SuffixIndex(self.min_n, self.max_n)
+        index.sync(tokens)
+        return index
+
     def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:
-        out: list[DraftTree | None] = []
         tenants = batch.tenants or [None] * len(batch.request_ids)
-        for rid, tokens, k, tenant in zip(batch.request_ids, batch.token_ids, batch.max_drafts, tenants):
-            index = self._index.get(rid)
-            if index is None:
-                index = self._index[rid] = SuffixIndex(self.min_n, self.max_n)
-            index.sync(tokens)
-            out.append(self.draft(tokens, index, self.corpus(tenant), min(k, self.max_drafts),
-                                  batch.min_score))
+        return [self.draft(tokens, self._indexed(rid, tokens), self.corpus(tenant),
+                           min(k, self.max_drafts), batch.min_score)
+                for rid, tokens, k, tenant in zip(batch.request_ids, batch.token_ids,
+                                                  batch.max_drafts, tenants)]
+
+    @property
+    def k(self) -> int:
+        return self.max_drafts
+
+    def lookup(self, request_ids: list[str], token_ids: list[list[int]], ks: list[int],
+               tenants: list[str | None] | None = None) -> list[list[int]]:
+        """As a tree method's lookup branch (in place of prompt lookup): the first path of each
+        request's suffix tree, at most ks[i] tokens."""
+        out = []
+        for rid, tokens, k, tenant in zip(request_ids, token_ids, ks, tenants or [None] * len(ks)):
+            tree = self.draft(tokens, self._indexed(rid, tokens), self.corpus(tenant), k) if k > 0 else None
+            out.append([tree.tokens[i] for i in tree.first_path()] if tree is not None else [])
         return out
 
     def draft(self, tokens: list[int], index: SuffixIndex, corpus: SuffixCorpus, k: int,
