@@ -39,10 +39,9 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
-from specserve.bench.spec import named_configs
+from specserve.bench.spec import named_configs, split_rows
 from specserve.config import DTYPE_CHOICES, QUANTIZATION_CHOICES, SpecConfig
 
 DEFAULT_CONFIGS = ['ngram={"method": "ngram"}', 'eagle={"method": "eagle"}']
@@ -52,11 +51,7 @@ CPU_FLAGS = ("avx512_bf16", "amx_bf16", "avx2")
 
 def load_prompts(split: str = "all") -> list[dict]:
     """The workload's rows ({"id", "kind", "split", "prompt"}) of one split, in file order."""
-    if split not in SPLITS:
-        raise ValueError(f"--split: expected one of {', '.join(SPLITS)}, got {split!r}")
-    text = resources.files("specserve").joinpath("data/load_prompts.jsonl").read_text()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    return [r for r in rows if split == "all" or r["split"] == split]
+    return split_rows("load_prompts.jsonl", split)
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

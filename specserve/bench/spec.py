@@ -55,13 +55,19 @@ def load_prompts(categories: list[str], limit: int | None, mt_bench_split: bool 
     return out
 
 
-def load_conversations(split: str = "all") -> list[dict]:
-    """The agentic workload's conversations ({"id", "kind", "split", "system", "turns"})."""
+def split_rows(name: str, split: str = "all") -> list[dict]:
+    """The rows of specserve/data/<name> (JSON lines with a "split": dev or heldout) of one
+    split ("all": every row), in file order."""
     if split not in AGENTIC_SPLITS:
         raise ValueError(f"--split: expected one of {', '.join(AGENTIC_SPLITS)}, got {split!r}")
-    text = resources.files("specserve").joinpath("data/agentic.jsonl").read_text()
+    text = resources.files("specserve").joinpath(f"data/{name}").read_text()
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [r for r in rows if split == "all" or r["split"] == split]
+
+
+def load_conversations(split: str = "all") -> list[dict]:
+    """The agentic workload's conversations ({"id", "kind", "split", "system", "turns"})."""
+    return split_rows("agentic.jsonl", split)
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
