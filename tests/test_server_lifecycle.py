@@ -86,10 +86,10 @@ def test_zz_sigterm_ends_running_streams_cleanly_and_exits_0(small_kv):
         small_kv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         try:
-            during = client.post("/v1/chat/completions", json=chat("Hi", max_tokens=2))
-            assert during.status_code == 503, during.text
+            status = client.post("/v1/chat/completions", json=chat("Hi", max_tokens=2)).status_code
         except httpx.TransportError:
-            pass  # the connection was already closed: also a refusal
+            status = None  # the connection was already closed: also a refusal
+        assert status in (503, None), status
     t.join(60)
     rc = small_kv.proc.wait(60)
     assert rc == 0, small_kv.log()
