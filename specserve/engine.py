@@ -190,6 +190,11 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     @property
+    def num_failed_steps(self) -> int:
+        """Steps that raised so far (read after every step: no other stats computed)."""
+        return self._stats.num_failed_steps
+
+    @property
     def vocab_size(self) -> int:
         return self.arch.vocab_size
 

@@ -377,7 +377,7 @@ class AsyncEngine:
                 self._call_soon([(self.on_death, e)])
 
     def _num_failed_steps(self) -> int:
-        return getattr(self.engine.stats, "num_failed_steps", 0)
+        return getattr(self.engine, "num_failed_steps", 0)
 
     def _take_inbox(self) -> Iterator[_Add | _Abort]:
         while True:

@@ -141,8 +141,7 @@ class ServingContext:
         if spec is None:
             return
         engine = self.async_engine.engine
-        try:
-            spec.check()
+        try:  # (compile checks the limits first: StructuredOutput.check)
             work = asyncio.get_running_loop().run_in_executor(
                 self._grammar_pool, lambda: engine.grammars.compile(spec))
             await asyncio.wait_for(work, self.grammar_timeout)
@@ -344,7 +343,7 @@ def fan_out(base_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
 
 async def submit(ctx: ServingContext, requests: list, tenant: str | None = None) -> Any:
     """Compile the call's grammar off the engine thread, then hand its requests to the engine
-    (`tenant`: the API key it came with, see tenant_of)."""
+    (`tenant`: which API key it came with, app.APIKeyMiddleware)."""
     if requests:
         await ctx.compile_grammar(requests[0][2])
     try:

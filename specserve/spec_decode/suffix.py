@@ -138,8 +138,8 @@ class SuffixProposer:
             found = self._corpora[key] = SuffixCorpus(self.min_n, self.max_n, self.corpus_tokens)
         return found
 
-    def observe(self, request_ids, starts, sizes, hidden) -> None:  # needs_hidden is False
-        pass
+    def observe(self, request_ids, starts, sizes, hidden) -> None:
+        """Never called (needs_hidden is False): suffix decoding reads tokens only."""
 
     def _indexed(self, request_id: str, tokens: list[int]) -> SuffixIndex:
         index = self._index.get(request_id)
