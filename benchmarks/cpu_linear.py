@@ -1,4 +1,4 @@
-"""Our float32 linear kernel (specserve/kernels/cpu_linear.c) against torch's GEMM on this CPU.
+"""Our float32 linear kernel (specserve/kernels/cpu/cpu_linear.c) against torch's GEMM on this CPU.
 
 1. The weights of one decode step of the default model's shapes (30 layers of fused QKV,
    output, fused gate-up and down projections, then the 49k-row LM head), by number of rows:
@@ -36,7 +36,7 @@ def products(rows_list: list[int], repeats: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from specserve.kernels.cpu_linear import PackedFloat32, pack_float32
+    from specserve.kernels.cpu.cpu_linear import PackedFloat32, pack_float32
     from specserve.model.runner import cpu_has_native_bf16
 
     torch.manual_seed(0)
@@ -100,7 +100,7 @@ def gguf_like(fmt: str, n: int, k: int):
 
 
 def decode(batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
-    import specserve.kernels.cpu_linear as cpu_linear
+    import specserve.kernels.cpu.cpu_linear as cpu_linear
     import specserve.model.quant as quant
     from specserve import LLM, SamplingParams
     from specserve.model.runner import cpu_has_native_bf16
@@ -180,7 +180,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG of both parts here")
     args = p.parse_args()
-    from specserve.kernels import cpu_linear
+    from specserve.kernels.cpu import cpu_linear
 
     if not cpu_linear.available():
         print(f"our linear kernel cannot run here: {cpu_linear.why_unavailable()}")

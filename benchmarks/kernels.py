@@ -72,7 +72,7 @@ def run(args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from specserve.kernels import paged_attention_triton, tree_attention_triton
-    from specserve.kernels.tree_attention import num_mask_words, tree_ancestors, tree_mask_from_parents
+    from specserve.kernels.triton.tree_attention import num_mask_words, tree_ancestors, tree_mask_from_parents
 
     dev = "cuda"
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16

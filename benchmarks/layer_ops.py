@@ -1,4 +1,4 @@
-"""Plain decoding with a layer's small ops in C (specserve/kernels/layer_ops.c) against PyTorch's.
+"""Plain decoding with a layer's small ops in C (specserve/kernels/cpu/layer_ops.c) against PyTorch's.
 
 One engine of the default model (no speculation); the fused norms and rotary embedding are
 switched on and off between runs of the same greedy batch (order alternated), so both sides
@@ -35,7 +35,7 @@ def main() -> None:
     args = p.parse_args()
 
     from specserve import LLM, SamplingParams
-    from specserve.kernels import layer_ops
+    from specserve.kernels.cpu import layer_ops
     from specserve.model.llama import RMSNorm
 
     if not layer_ops.available():

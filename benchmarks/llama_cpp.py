@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specserve.bench.load import load_prompts, machine  # noqa: E402
 from specserve.bench.spec import grouped_bars  # noqa: E402
 from specserve.config import DEFAULT_MODEL, QUANTIZATION_CHOICES  # noqa: E402
-from specserve.model.loader import alias_gguf, cache_root, canonical_alias  # noqa: E402
+from specserve.env import cache_root  # noqa: E402
+from specserve.model.loader import alias_gguf, canonical_alias  # noqa: E402
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the source package whose vendor/llama.cpp is built
 

@@ -42,7 +42,7 @@ def name_kernels() -> None:
     counted as products, attention or small ops rather than as Python."""
     import torch
 
-    from specserve.kernels import cpu_attention, cpu_linear, layer_ops
+    from specserve.kernels.cpu import cpu_attention, cpu_linear, layer_ops
 
     def named(fn, label):
         def call(*args, **kwargs):

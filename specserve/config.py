@@ -1,25 +1,18 @@
 """Frozen configuration records passed down from the entry points (LLM, CLI, server).
 
 Nothing here touches the model or the device; `EngineConfig.create` only checks values
-and fills in defaults. Environment variables are read in one place: `env_str`.
+and fills in defaults. Environment variables are read in one place: `specserve.env.env_str`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 logger = logging.getLogger("specserve")
-
-
-def env_str(name: str, default: str = "") -> str:
-    """The one place the package reads environment variables (all prefixed SPECSERVE_)."""
-    return os.environ.get(f"SPECSERVE_{name}", default)
-
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("none", "int8")  # the target's weights (specserve.model.quant)
@@ -210,6 +203,9 @@ class EngineConfig:
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len: must be at least 1, got {max_model_len}")
         quantization = quantization or "none"
+        if quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization: expected one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {quantization!r}")
         if quantization != "none":
             from specserve.model.quant import check_target_quantization
 

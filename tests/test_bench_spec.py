@@ -57,12 +57,13 @@ def test_attention_ab_compares_two_checkouts():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "attention_ab.py"), "--base", str(root),
-                          "--contexts", "70", "--runs", "1", "--check"], capture_output=True, text=True, timeout=300)
+    script = str(root / "benchmarks" / "experiments" / "attention_ab.py")
+    run = subprocess.run([sys.executable, script, "--base", str(root), "--contexts", "70", "--runs", "1", "--check"],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert {"decode", "chain4", "tree4", "tree8"} <= {line.split()[1] for line in run.stdout.splitlines()[2:]}
-    bad = subprocess.run([sys.executable, str(root / "benchmarks" / "attention_ab.py"), "--base", "/nonexistent"],
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([sys.executable, script, "--base", "/nonexistent"], capture_output=True, text=True,
+                         timeout=300)
     assert bad.returncode != 0 and "no specserve/model/attention.py" in bad.stderr
 
 
@@ -72,8 +73,9 @@ def test_draft_int8_times_the_heads_products_and_proposals():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "draft_int8.py"), "--context", "40",
-                          "--rows", "1", "8", "--runs", "1"], capture_output=True, text=True, timeout=300)
+    script = str(root / "benchmarks" / "experiments" / "draft_int8.py")
+    run = subprocess.run([sys.executable, script, "--context", "40", "--rows", "1", "8", "--runs", "1"],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert {"fc", "qkv_proj", "gate_up_proj", "lm_head"} <= {line.split()[0] for line in lines[2:8]}

@@ -19,7 +19,8 @@ from specserve.request import Request, SamplingParams
 from specserve.spec_decode.cost_model import Curve
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.eagle import DEFAULT_EAGLE_DIR, EagleProposer
-from specserve.kernels import cpu_linear, layer_ops
+from specserve.kernels.cpu import cpu_linear, layer_ops
+from specserve.spec_decode import tree_ops
 from specserve.spec_decode.eagle_head import DraftPass, EagleHead, HeadKV, Segment
 from specserve.spec_decode.heads_io import load_eagle
 from specserve.spec_decode.training.checkpoints import save_eagle
@@ -405,6 +406,46 @@ def test_medusa_trees_come_depth_first_and_a_budget_keeps_the_shorter_paths(tmp_
         assert a.scores == pytest.approx(b.scores, abs=1e-5)
 
 
+@pytest.mark.parametrize("min_score,d2t", [(-math.inf, False), (-6.0, True), (-4.5, False)])
+def test_medusa_trees_is_the_python_walk(min_score, d2t):
+    from specserve.spec_decode.medusa import DEFAULT_MEDUSA_TREE, medusa_plan
+
+    plan, dfs = medusa_plan(DEFAULT_MEDUSA_TREE, 4)
+    g = torch.Generator().manual_seed(1)
+    heads, b, width = 4, 6, 4
+    logits = 3 * torch.randn(heads * b, 300, generator=g)  # row k * b + j: head k, request j
+    ids = torch.randperm(49152, generator=g)[:300] if d2t else None  # the heads' vocabulary in the target's
+    budgets = [16, 3, 0, 18, 7, 1]
+    top_lp, top = layer_ops.top_logprobs(logits, width)
+    top = ids[top] if d2t else top
+    want = tree_reference.medusa_trees(plan, dfs, top_lp.view(heads, b, width).tolist(),
+                                       top.view(heads, b, width).tolist(), budgets, min_score)
+    build = tree_ops.medusa_tree_builder(heads, width, ids, torch.tensor(plan), torch.tensor(dfs))
+    got = build(layer_ops.rows_view(logits), budgets, min_score)
+    assert got == want == build(layer_ops.rows_view(top_lp), budgets, min_score, top.data_ptr())  # top-k given
+    assert not got[2][0] and all(len(t[0]) <= n for t, n in zip(got, budgets))
+    if min_score == -math.inf:
+        assert [len(t[0]) for t in got] == budgets[:3] + [18, 7, 1]
+    else:
+        assert any(0 < len(t[0]) < n for t, n in zip(got, budgets))  # the score cut took some
+
+
+def test_eagle_and_medusa_grow_their_trees_in_c_and_say_so_without_it(monkeypatch):
+    """Without their C (tree_ops) "auto" takes prompt lookup, and EAGLE and Medusa say why."""
+    from specserve.config import DEFAULT_MODEL
+    from specserve.spec_decode.methods import _tree_proposer, resolve
+
+    assert tree_ops.available(), tree_ops.why_unavailable()
+    monkeypatch.setattr(tree_ops, "available", lambda: False)
+    assert resolve(SpecConfig(method="auto"), DEFAULT_MODEL).method == "ngram"
+    monkeypatch.setattr(tree_ops, "available", lambda: True)
+    assert resolve(SpecConfig(method="auto"), DEFAULT_MODEL).method == "eagle"
+    monkeypatch.setattr(tree_ops, "available", lambda: False)
+    for method in ("eagle", "medusa"):
+        with pytest.raises(ValueError, match=f"method '{method}' grows its trees in C.*use 'ngram'"):
+            _tree_proposer(SpecConfig(method=method, model="heads"), None, DEFAULT_MODEL, 256)
+
+
 def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
     tree = DraftTree([10, 11, 12, 13], [-1, -1, 0, 1], scores=[-0.1, -0.2, -0.3, -0.4])
     merged, path = tree.graft([10, 12, 7, 8])  # shares 10 -> 12, then new nodes
@@ -508,7 +549,7 @@ def test_eagle_children_in_one_c_call_are_the_python_reference(with_map):
 
     def given(grow, parents, logits, cut):  # the top-k taken already (on a GPU: by PyTorch)
         val, idx = layer_ops.top_logprobs(logits, 3, prop.d2t)
-        layer_ops.eagle_children(layer_ops.rows_view(val), 3, 0, cut, grow, parents, idx.data_ptr())
+        tree_ops.eagle_children(layer_ops.rows_view(val), 3, 0, cut, grow, parents, idx.data_ptr())
 
     results = []
     for add in (prop._add_children, given, reference):
@@ -520,7 +561,7 @@ def test_eagle_children_in_one_c_call_are_the_python_reference(with_map):
     assert results[0] == results[1] == results[2]
     assert any(len(t[5]) < 3 for t in results[0]) and any(len(t[5]) == 3 for t in results[0])  # the cut took some
     with pytest.raises(ValueError):  # a row per parent
-        layer_ops.eagle_children(layer_ops.rows_view(roots), 3, 0, -7.0, [_Growing(None, 10, 8)], [[-1, -1]])
+        tree_ops.eagle_children(layer_ops.rows_view(roots), 3, 0, -7.0, [_Growing(None, 10, 8)], [[-1, -1]])
 
 
 def test_eagle_next_pass_in_one_c_call_is_the_python_reference():
@@ -538,8 +579,8 @@ def test_eagle_next_pass_in_one_c_call_is_the_python_reference():
     pairs = [5, 0, 3] + list(range(7, 20))  # 16 requests: rows past any first guess of their number
     logits = [3 * torch.randn(2 * len(pairs), 50, generator=g) for _ in range(4)]
     runs = []
-    on_device = partial(layer_ops.eagle_next_pass, device=torch.device("cpu"))
-    for next_pass in (layer_ops.eagle_next_pass, on_device, tree_reference.eagle_next_pass):
+    on_device = partial(tree_ops.eagle_next_pass, device=torch.device("cpu"))
+    for next_pass in (tree_ops.eagle_next_pass, on_device, tree_reference.eagle_next_pass):
         grow = [_Growing(SimpleNamespace(pairs=p, kv=None), 20 + p, 8) for p in pairs]
         prop._add_children(grow, [[-1]] * len(pairs), logits[0][:len(pairs)], -3.0)
         passes = []

@@ -1,4 +1,4 @@
-"""Our CPU linear layers (specserve.kernels.cpu_linear): weight-only int8 (specserve.model.quant),
+"""Our CPU linear layers (specserve.kernels.cpu.cpu_linear): weight-only int8 (specserve.model.quant),
 float32, and float32 weights that are exactly GGUF Q4_1/Q8_0 blocks; draft-head formats
 (specserve.spec_decode.quant)."""
 
@@ -11,8 +11,8 @@ from torch import nn
 from specserve.config import SpecConfig
 from specserve.model.arch import ModelArch
 from specserve.spec_decode.eagle_head import DraftPass, EagleHead, HeadKV, Segment
-from specserve.spec_decode.medusa import MedusaHeads
-from specserve.kernels import cpu_linear
+from specserve.spec_decode.medusa_heads import MedusaHeads
+from specserve.kernels.cpu import cpu_linear
 from specserve.model.quant import Int8Linear, check_target_quantization, int8_pays, quantize_linears, quantize_rows
 from specserve.spec_decode.quant import check_quantization, draft_linear
 

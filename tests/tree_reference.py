@@ -1,5 +1,6 @@
-"""Plain-Python references of the C host calls that grow draft trees (host_ops.c): what the
-tests check medusa_trees, eagle_children and eagle_next_pass against."""
+"""Plain-Python references of the C host calls that grow draft trees
+(specserve/spec_decode/tree_ops.c): what the tests check medusa_trees, eagle_children and
+eagle_next_pass against."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def medusa_trees(plan, dfs, top_lp: list, top: list, budgets: list[int], min_sco
 
 def eagle_children(grow, parents: list[list[int]], lp: torch.Tensor, tok: torch.Tensor, k: int,
                    min_score: float) -> None:
-    """layer_ops.eagle_children from the top-k (lp, tok [rows, k]) of each parent's row."""
+    """tree_ops.eagle_children from the top-k (lp, tok [rows, k]) of each parent's row."""
     lp_l, tok_l, at = lp.flatten().tolist(), tok.flatten().tolist(), 0
     for g, ps in zip(grow, parents):
         start = len(g.tokens)
@@ -56,7 +57,7 @@ def eagle_children(grow, parents: list[list[int]], lp: torch.Tensor, tok: torch.
 
 
 def eagle_next_pass(grow, d: int):
-    """layer_ops.eagle_next_pass: every tree with a frontier runs the next pass; each frontier
+    """tree_ops.eagle_next_pass: every tree with a frontier runs the next pass; each frontier
     row sees the committed pairs, its ancestors' rows and itself."""
     active, src, ids, positions, masks = [], [], [], [], []
     for b, g in enumerate(grow):

@@ -1,24 +1,32 @@
-"""Attention and KV-cache kernels with backend dispatch.
+"""Our kernels, one subpackage per path, and the dispatch of the attention and KV-cache ops.
 
-Every op has a Triton implementation (``*_triton``) and a plain PyTorch
-reference with the same signature (``*_ref``).  The unsuffixed names dispatch
-on the device of their first tensor argument via :func:`use_triton`:
+* ``specserve.kernels.triton``: the GPU's Triton kernels (paged and tree attention,
+  KV-cache writes), each op beside a plain PyTorch reference with the same signature.
+* ``specserve.kernels.cpu``: the CPU's C kernels for x86 with AVX2/FMA (linear layers,
+  a layer's small ops, paged attention, greedy verification), built at first use by
+  ``cbuild``; the model, sampling and the speculative methods call them directly where
+  they run (``available()``).
+
+Every op here has a Triton implementation (``*_triton``) and the PyTorch reference
+(``*_ref``).  The unsuffixed names dispatch on the device of their first tensor
+argument via :func:`use_triton`:
 
 * CUDA tensors and triton importable -> Triton kernel;
 * otherwise (CPU) -> PyTorch reference;
 * env ``SPECSERVE_KERNELS=triton|torch`` forces one backend (Triton on CPU only
   works with ``TRITON_INTERPRET=1`` set before triton is first imported).
 
-Importing this package never requires triton.
+Importing this package never requires triton, and builds no C.
 """
-import os
 from typing import Optional
 
 import torch
 
-from .kv_write import compact_kv_ref, compact_kv_triton, write_kv_ref, write_kv_triton
-from .paged_attention import HAS_TRITON, paged_attention_ref, paged_attention_triton
-from .tree_attention import (
+from specserve.env import env_str
+
+from .triton.kv_write import compact_kv_ref, compact_kv_triton, write_kv_ref, write_kv_triton
+from .triton.paged_attention import HAS_TRITON, paged_attention_ref, paged_attention_triton
+from .triton.tree_attention import (
     causal_tree_mask,
     dense_mask_attention_ref,
     pack_tree_mask,
@@ -40,7 +48,7 @@ __all__ = [
 
 def use_triton(device) -> bool:
     """True when ops on ``device`` should run the Triton kernels."""
-    forced = os.environ.get("SPECSERVE_KERNELS", "").strip().lower()
+    forced = env_str("KERNELS").strip().lower()
     if forced == "torch":
         return False
     if forced == "triton":

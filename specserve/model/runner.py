@@ -18,7 +18,7 @@ import torch
 
 from specserve.config import CacheConfig, ModelConfig
 from specserve.host import int_tensor
-from specserve.kernels import layer_ops
+from specserve.kernels.cpu import layer_ops
 from specserve.model.arch import ModelArch
 from specserve.model import tree_mask
 from specserve.model.attention import get_attention_backend
@@ -43,7 +43,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    from specserve.kernels import cpu_linear
+    from specserve.kernels.cpu import cpu_linear
 
     return torch.bfloat16 if cpu_has_native_bf16() and not cpu_linear.available() else torch.float32
 

@@ -38,7 +38,7 @@ exactly and a seeded request is reproducible whatever else is in the batch.
 
 No per-node host synchronisation: an all-greedy step brings each row's argmax to the host in
 one transfer and follows the matching children there (on an x86 CPU one C call follows them,
-taking the argmax of the rows on the way only: specserve.kernels.layer_ops.greedy_walk);
+taking the argmax of the rows on the way only: specserve.kernels.cpu.layer_ops.greedy_walk);
 otherwise tensor ops over all nodes find each row's first passing child, one transfer brings
 those to the host, which follows every request's accepted path, and a second brings the final
 tokens.
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.host import int_tensor
-from specserve.kernels import layer_ops
+from specserve.kernels.cpu import layer_ops
 from specserve.sampling.sampler import (SamplingBatch, TokenCounts, apply_penalties, exponential_noise,
                                         processed_probs, row_argmax, row_counts, uniform_at)
 

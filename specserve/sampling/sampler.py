@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.kernels import layer_ops
+from specserve.kernels.cpu import layer_ops
 from specserve.request import SamplingParams, TokenLogprob
 
 _M32 = 0xFFFFFFFF
@@ -182,14 +182,14 @@ def processed_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 
 def c_rows(x: torch.Tensor) -> bool:
-    """Whether our C kernels (specserve.kernels.layer_ops) can read x's rows: [N, V] float32 on
+    """Whether our C kernels (specserve.kernels.cpu.layer_ops) can read x's rows: [N, V] float32 on
     an x86 CPU, unit stride along a row."""
     return layer_ops.rows_view(x) is not None
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x [N, V] -> [N] int64, exactly x.argmax(-1); float32 on an x86 CPU through our C kernel
-    (specserve.kernels.layer_ops.argmax: PyTorch's takes ~50 us per 49k-wide row there). Plain
+    (specserve.kernels.cpu.layer_ops.argmax: PyTorch's takes ~50 us per 49k-wide row there). Plain
     sampling, verification and drafting all take their argmax here."""
     if x.numel() >= 1024 and c_rows(x):
         return layer_ops.argmax(x)
@@ -200,7 +200,7 @@ def top_logprobs(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None) 
     """logits [N, V] -> the k most likely columns of each row, as (log probabilities [N, k]
     float32, descending; columns [N, k] int64, through d2t [V] when given: a draft
     vocabulary's ids in the target's): what drafting (EAGLE, Medusa, the draft model) expands.
-    On an x86 CPU one C call (specserve.kernels.layer_ops.top_logprobs, ~3x PyTorch's
+    On an x86 CPU one C call (specserve.kernels.cpu.layer_ops.top_logprobs, ~3x PyTorch's
     log_softmax then topk over a vocabulary); ties may come in another order than PyTorch's."""
     logits = logits.float()
     if c_rows(logits):
@@ -210,10 +210,11 @@ def top_logprobs(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None) 
 
 
 def draft_top_k(logits: torch.Tensor, k: int, d2t: torch.Tensor | None = None):
-    """What the host calls that grow draft trees (layer_ops.eagle_children, Medusa's trees) read
-    of a draft's logits [N, V]: (rows_view, ids address, tensors to keep alive through the call).
-    A float32 CPU tensor as it is (the C takes its top-k, through d2t: ids 0); elsewhere (a
-    GPU, bfloat16) top_logprobs on its device, brought to the host in one copy."""
+    """What the host calls that grow draft trees (specserve.spec_decode.tree_ops: EAGLE's
+    children, Medusa's trees) read of a draft's logits [N, V]: (rows_view, ids address, tensors
+    to keep alive through the call). A float32 CPU tensor as it is (the C takes its top-k,
+    through d2t: ids 0); elsewhere (a GPU, bfloat16) top_logprobs on its device, brought to the
+    host in one copy."""
     view = layer_ops.rows_view(logits)
     if view is not None:
         return view, 0, logits

@@ -17,7 +17,8 @@ import signal
 import sys
 from typing import Any
 
-from specserve.config import DEFAULT_MODEL, DTYPE_CHOICES, QUANTIZATION_CHOICES, EngineConfig, env_str
+from specserve.config import DEFAULT_MODEL, DTYPE_CHOICES, QUANTIZATION_CHOICES, EngineConfig
+from specserve.env import env_str
 from specserve.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 logger = logging.getLogger("specserve.server")

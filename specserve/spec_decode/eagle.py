@@ -9,7 +9,7 @@ fallen out of the next catch-up's window, and the head's K/V of the committed pa
      PROMPT_WINDOW on its first pass and CATCH_UP_WINDOW after that;
   2. grow: depth 1 takes the root's top-k; each further depth runs the k best nodes of the last
      depth of every request through the head in one pass and adds their top-k children, score
-     = parent score + log q(child) (the bookkeeping in C: layer_ops.eagle_children and
+     = parent score + log q(child) (the bookkeeping in C: tree_ops.eagle_children and
      eagle_next_pass, one host synchronisation per depth);
   3. rerank: each request's m best-scored nodes (a tree: ancestors score at least as high).
 Nodes scoring below `batch.min_score` (the cost model's) are neither expanded nor returned.
@@ -28,8 +28,8 @@ import torch
 
 from specserve.config import DEFAULT_DRAFTS
 from specserve.host import int_tensor
-from specserve.kernels import layer_ops
 from specserve.sampling import draft_top_k
+from specserve.spec_decode import tree_ops
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, preorder
 from specserve.spec_decode.eagle_head import DraftPass, HeadKV, Segment
 from specserve.spec_decode.quant import draft_linear, draft_lm_head, f32_kernel_for
@@ -160,12 +160,12 @@ class EagleProposer:
         return out
 
     def _grow(self, grow: list[_Growing], min_score: float) -> None:
-        """Each pass's inputs and each tree's bookkeeping in one C call (layer_ops: eagle_next_pass,
+        """Each pass's inputs and each tree's bookkeeping in one C call (tree_ops: eagle_next_pass,
         eagle_children), the head and LM head batched over every tree with a frontier."""
         out = torch.stack([g.cache.last_out for g in grow])  # the roots' outputs, row b: grow[b]'s
         self._add_children(grow, [[-1] for _ in grow], out, min_score)
         for d in range(1, self.depth):
-            step = layer_ops.eagle_next_pass(grow, d, None if self.on_cpu else self.device)
+            step = tree_ops.eagle_next_pass(grow, d, None if self.on_cpu else self.device)
             if step is None:  # no frontier left
                 return
             active, ids, positions, src, masks = step
@@ -178,7 +178,7 @@ class EagleProposer:
         log q(child); each request's next frontier is its k best new nodes worth expanding.
         outs: [sum of parents, hidden], the parents' head outputs in order."""
         view, ids, _alive = draft_top_k(self._lm_head(outs), self.topk, self.d2t)
-        layer_ops.eagle_children(view, self.topk, self._d2t_ptr, min_score, grow, parents, ids)
+        tree_ops.eagle_children(view, self.topk, self._d2t_ptr, min_score, grow, parents, ids)
 
 
 def _let_go(c: _HeadCache, upto: int) -> None:

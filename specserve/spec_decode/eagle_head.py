@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.kernels import layer_ops
+from specserve.kernels.cpu import layer_ops
 from specserve.model.arch import ModelArch
 from specserve.model.llama import RMSNorm, RotaryEmbedding
 

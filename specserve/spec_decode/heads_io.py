@@ -59,7 +59,7 @@ def load_eagle(model_dir: Path | str, target: ModelArch, max_positions: int = 81
 
 def load_medusa(model_dir: Path | str, target: ModelArch):
     """-> (MedusaHeads in float32, d2t or None). Accepts the public Medusa layout."""
-    from specserve.spec_decode.medusa import MedusaHeads
+    from specserve.spec_decode.medusa_heads import MedusaHeads
 
     cfg, state, d2t = _read(model_dir, ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors"),
                             "medusa_head.")

@@ -1,65 +1,20 @@
 """Medusa heads (Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple
 Decoding Heads", 2024): K extra heads on the target's last feature f_t; head k predicts token
 t + k + 2 (the target's own LM head predicts t + 1). Each head is `num_layers` residual blocks
-x + SiLU(W x + b) followed by its own LM head, or the target's when it has none.
-
-Module layout (= the public medusa_lm_head checkpoint): `{k}.{l}.linear.weight/bias`,
-`{k}.{num_layers}.weight`.
+x + SiLU(W x + b) followed by its own LM head, or the target's when it has none (the heads:
+specserve.spec_decode.medusa_heads; their checkpoints: specserve.spec_decode.heads_io). Here:
+the tree of rank paths and the proposer.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from specserve.config import DEFAULT_DRAFTS
-from specserve.kernels import layer_ops
 from specserve.sampling import draft_top_k
+from specserve.spec_decode import tree_ops
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.quant import draft_lm_head, f32_kernel_for
-
-
-class ResBlock(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-        nn.init.zeros_(self.linear.weight)  # starts as the identity, as Medusa does
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
-
-
-class MedusaHeads(nn.ModuleList):
-    """vocab 0: the heads have no LM head of their own (the caller applies the target's)."""
-
-    def __init__(self, num_heads: int, num_layers: int, hidden: int, vocab: int = 0) -> None:
-        heads = []
-        for _ in range(num_heads):
-            blocks: list[nn.Module] = [ResBlock(hidden) for _ in range(num_layers)]
-            if vocab:
-                blocks.append(nn.Linear(hidden, vocab, bias=False))
-            heads.append(nn.Sequential(*blocks))
-        super().__init__(heads)
-        self.num_heads, self.num_layers, self.hidden_size, self.vocab = num_heads, num_layers, hidden, vocab
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, hidden] -> [K, N, hidden]: each head's residual blocks (before any LM head)."""
-        out = []
-        for head in self:
-            f = x
-            for i in range(self.num_layers):
-                f = head[i](f)
-            out.append(f)
-        return torch.stack(out)
-
-    def logits(self, x: torch.Tensor, lm_head) -> torch.Tensor:
-        """x: [N, hidden] -> [K, N, V'] with each head's own LM head, else `lm_head` ([rows,
-        hidden] -> [rows, V'], the target's, maybe restricted; one product for all heads)."""
-        feats = self(x)
-        if self.vocab:
-            return torch.stack([head[self.num_layers](f) for head, f in zip(self, feats)])
-        return lm_head(feats.reshape(-1, feats.shape[-1])).view(*feats.shape[:2], -1)
 
 
 # depth-1..4 paths of top-k ranks; every prefix of a path is itself in the list
@@ -110,8 +65,8 @@ class MedusaProposer:
         self.plan, self.dfs = medusa_plan(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.width = 1 + max(rank for _, rank, _ in self.plan)  # top-k each head needs
         d2t_host = None if self.d2t is None else self.d2t.cpu()  # (read by the C only for CPU logits)
-        self._trees = layer_ops.medusa_tree_builder(heads.num_heads, self.width, d2t_host, torch.tensor(self.plan),
-                                                    torch.tensor(self.dfs))  # top-k and trees in one C call
+        self._trees = tree_ops.medusa_tree_builder(heads.num_heads, self.width, d2t_host, torch.tensor(self.plan),
+                                                   torch.tensor(self.dfs))  # top-k and trees in one C call
         self.m = num_speculative_tokens
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, feature [1, hidden])
 

@@ -27,10 +27,9 @@ def resolve(config: SpecConfig, model: str) -> SpecConfig:
     if config.method != "auto":
         return config
     from specserve.model.loader import canonical_alias
+    from specserve.spec_decode import tree_ops
 
-    from specserve.kernels.layer_ops import host_available
-
-    eagle = canonical_alias(model) == DEFAULT_MODEL and config.model is None and host_available()
+    eagle = canonical_alias(model) == DEFAULT_MODEL and config.model is None and tree_ops.available()
     method = "eagle" if eagle else "ngram"
     k = config.num_speculative_tokens or DEFAULT_DRAFTS[method]
     return replace(config, method=method, num_speculative_tokens=k)
@@ -90,12 +89,12 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
 
 
 def _tree_proposer(config: SpecConfig, runner, model_name: str, max_model_len: int):
-    from specserve.kernels.layer_ops import host_available, host_why_unavailable
+    from specserve.spec_decode import tree_ops
     from specserve.spec_decode.quant import check_quantization
 
-    if not host_available():
+    if not tree_ops.available():
         raise ValueError(f"speculative_config: method {config.method!r} grows its trees in C, which needs a C "
-                         f"compiler and Python's headers here ({host_why_unavailable()}); use 'ngram'")
+                         f"compiler and Python's headers here ({tree_ops.why_unavailable()}); use 'ngram'")
 
     model = runner.model
     weight = model.lm_head.weight

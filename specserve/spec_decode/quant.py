@@ -23,7 +23,7 @@ def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool
     if quantize:
         return Int8Linear(weight, bias)
     if f32_kernel:
-        from specserve.kernels.cpu_linear import pack_float32
+        from specserve.kernels.cpu.cpu_linear import pack_float32
 
         return pack_float32(weight, bias)
     weight, bias = weight.detach(), None if bias is None else bias.detach()
@@ -33,7 +33,7 @@ def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool
 def f32_kernel_for(weight: torch.Tensor, hidden: int, intermediate: int) -> bool:
     """Whether a draft's float32 products on this CPU go through our kernel: where the target's
     measurement at start (cached) found it faster than PyTorch's GEMM."""
-    from specserve.kernels import cpu_linear
+    from specserve.kernels.cpu import cpu_linear
 
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.available()
             and f32_kernel_pays(hidden, intermediate))

@@ -12,7 +12,7 @@ Backends (same interface):
   * `TorchAttention` (sdpa.py): the CPU reference. It gathers every request's context into one
     padded [B, L] batch (gathered.py) and runs one SDPA call per layer with a dense mask.
   * `CPUPagedAttention` (cpu_paged.py): the CPU float32 backend. Decode and verify rows read
-    the paged cache in place (our AVX2 kernel, specserve/kernels/paged_attention.c); prefill
+    the paged cache in place (our AVX2 kernel, specserve/kernels/cpu/paged_attention.c); prefill
     chunks take TorchAttention's path.
   * `InvariantAttention` (invariant.py): the CPU backend for bfloat16. Same gathered layout,
     but every query row's result is bitwise independent of the batch around it, which is what
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.config import env_str
-from specserve.kernels import cpu_attention
+from specserve.env import env_str
+from specserve.kernels.cpu import cpu_attention
 
 from .cpu_paged import CPUPagedAttention, CPUPagedMetadata
 from .gathered import GatheredMetadata

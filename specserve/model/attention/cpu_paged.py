@@ -1,5 +1,5 @@
 """CPUPagedAttention: the CPU float32 backend; decode and verify rows read the paged cache in
-place (specserve/kernels/paged_attention.c), prefill chunks take TorchAttention's SDPA path.
+place (specserve/kernels/cpu/paged_attention.c), prefill chunks take TorchAttention's SDPA path.
 
 The SDPA path gathers every request's context into a padded batch per layer and step: at 64
 requests of a few hundred tokens that copy costs more than the attention itself. The kernel
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specserve.kernels import cpu_attention
+from specserve.kernels.cpu import cpu_attention
 from specserve.model import tree_mask
 
 from .gathered import build_in_parts

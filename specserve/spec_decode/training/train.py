@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> None:
                 log(f"held-out agreement by depth ({len(held)} sequences): "
                     + " ".join(f"d{j + 1}={a:.3f}" for j, a in enumerate(acc)))
     else:
-        from specserve.spec_decode.medusa import MedusaHeads
+        from specserve.spec_decode.medusa_heads import MedusaHeads
 
         model = MedusaHeads(args.medusa_heads, 1, arch.hidden_size)
         loss_fn = _medusa_loss

@@ -1,7 +1,7 @@
 """One engine step that mixes a prefill chunk with decodes, against each part alone, and
 against the same step with every query padded to the longest (the split turned off).
 
-    python benchmarks/mixed_step.py [--decodes 48 --context 120 --prefill 400]
+    python benchmarks/experiments/mixed_step.py [--decodes 48 --context 120 --prefill 400]
 """
 
 import argparse
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> None:

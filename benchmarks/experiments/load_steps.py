@@ -7,7 +7,7 @@ step into: mixed (a prefill chunk beside decodes), plain (decode only, no drafts
 class: steps, seconds, output tokens and tokens/s; per run: the median rows of the
 speculative steps at the full batch.
 
-    python benchmarks/load_steps.py [--concurrency 16] [--requests 32] [--config '{"method": "ngram"}']
+    python benchmarks/experiments/load_steps.py [--concurrency 16] [--requests 32] [--config '{"method": "ngram"}']
         [--split heldout] [--dtype auto] [--repeats 1] [--off]
 
 --off forces speculation off in the speculative engine (its machinery's cost when idle).
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def logged_loop(engine, prompt_ids, concurrency: int, params, tag: str) -> tuple[object, list[dict]]:

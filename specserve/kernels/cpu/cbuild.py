@@ -2,14 +2,17 @@
 as CPython extension modules.
 
 A source is compiled with the system's C compiler (gcc or cc, `-O3 -mavx2 -mfma -fopenmp`)
-into `$SPECSERVE_CACHE_DIR/kernels/`, keyed by the hash of the source and of the C sources and
-headers beside it, and called through ctypes, which releases the GIL. The libraries share
-torch's OpenMP runtime (same soname) and use torch's thread count. `Kernel(source,
-declare).lib` is the loaded library or None, and `why_unavailable()` says why: no AVX2/FMA,
-no compiler, or the build failed. `Extension(source).module` builds a source as an extension
-module with Python's headers and imports it (its functions release the GIL themselves): what
-a step calls between its forwards takes and returns Python lists that way, where ctypes would
-spend more on converting them than the kernel on its work.
+into `$SPECSERVE_CACHE_DIR/kernels/`, keyed by the hash of the source, of the C sources and
+headers beside it and in the folders it includes from, and of the flags, and called through
+ctypes, which releases the GIL. The libraries share torch's OpenMP runtime (same soname) and use
+torch's thread count. `Kernel(source, declare).lib` is the loaded library or None, and
+`why_unavailable()` says why: no AVX2/FMA, no compiler, or the build failed.
+`Extension(source, include).module` builds a source as an extension module with Python's
+headers and imports it (its functions release the GIL themselves): what a step calls between its
+forwards takes and returns Python lists that way, where ctypes would spend more on converting
+them than the kernel on its work. A source outside this folder that builds on these kernels (the
+speculative methods' tree growth, specserve/spec_decode/tree_ops.c) names it, `CPU_DIR`, in
+`include`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from specserve.env import cache_root
+
+CPU_DIR = Path(__file__).parent  # the CPU's C kernels and headers
 logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
@@ -44,19 +50,18 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def build(source_path: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+def build(source_path: Path, extra_flags: tuple[str, ...] = (), include: tuple[Path, ...] = ()) -> Path:
     """The compiled library of a C source (cached by content: the source, the headers and C
-    sources beside it, the flags); RuntimeError when it cannot be."""
-    from specserve.model.loader import cache_root
-
+    sources beside it and in the folders of `include`, which `#include "..."` searches, the
+    flags); RuntimeError when it cannot be."""
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= cpu_flags():
         raise RuntimeError("this CPU lacks AVX2/FMA")
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     source = source_path.read_bytes()
-    flags = [*FLAGS, *extra_flags]
-    included = sorted(p for p in source_path.parent.glob("*.[ch]") if p != source_path)  # #include "..."
+    flags = [*FLAGS, *extra_flags, *(f"-I{d}" for d in include)]
+    included = sorted({p for d in (source_path.parent, *include) for p in d.glob("*.[ch]")} - {source_path})
     digest = hashlib.sha256(source + b"".join(h.read_bytes() for h in included)
                             + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"{source_path.stem}-{digest}.so"
@@ -122,18 +127,19 @@ class Extension(_Built):
     """A C source built as a CPython extension module (Python's headers needed) and imported on
     first use; `module` is the module or None."""
 
-    def __init__(self, source: Path) -> None:
+    def __init__(self, source: Path, include: tuple[Path, ...] = ()) -> None:
         super().__init__(source, self._import)
+        self.include = include
 
     @property
     def module(self):
         return self._get()
 
     def _import(self):
-        include = sysconfig.get_paths()["include"]
-        if not (Path(include) / "Python.h").is_file():
-            raise RuntimeError(f"no Python.h in {include} (Python's development headers)")
-        path = build(self.source, (f"-I{include}",))
+        headers = sysconfig.get_paths()["include"]
+        if not (Path(headers) / "Python.h").is_file():
+            raise RuntimeError(f"no Python.h in {headers} (Python's development headers)")
+        path = build(self.source, (f"-I{headers}",), self.include)
         name = self.source.stem
         spec = importlib.util.spec_from_file_location(name, path,
                                                       loader=importlib.machinery.ExtensionFileLoader(name, str(path)))

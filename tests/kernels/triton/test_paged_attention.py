@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specserve.kernels import paged_attention, use_triton
-from specserve.kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from specserve.kernels.triton.paged_attention import paged_attention_ref, paged_attention_triton
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,7 +17,7 @@ bit for bit. The kernel rebuilds each weight before its multiply-add (d * q is e
 float32, so d * q + m rounds once, where GGUF's dequantization rounds), so the products, and
 the model's tokens, are exactly the float32 model's.
 
-Built and loaded by specserve.kernels.cbuild. `available()` says whether it can run here, and
+Built and loaded by specserve.kernels.cpu.cbuild. `available()` says whether it can run here, and
 `why_unavailable()` why not: no AVX2/FMA, no compiler, or the build failed.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.kernels.cbuild import Kernel
+from specserve.kernels.cpu.cbuild import Kernel
 
 BLOCK = 64  # columns per block the threads split (BLOCK in cpu_linear.c); strips of 8 inside
 QK = 32  # weights per Q4_1 / Q8_0 block along k (QK in cpu_linear.c)

@@ -1,4 +1,4 @@
-"""Our CPU paged-attention kernel (specserve/kernels/paged_attention.c) through its backend,
+"""Our CPU paged-attention kernel (specserve/kernels/cpu/paged_attention.c) through its backend,
 CPUPagedAttention: decode, chain and tree rows read in place match the SDPA backend (itself
 checked against the references), the kernel writes the step's K/V itself, a prefill chunk
 beside them takes the SDPA path, and a row's result is the same bits whatever the batch around
@@ -7,7 +7,7 @@ it."""
 import pytest
 import torch
 
-from specserve.kernels import cpu_attention
+from specserve.kernels.cpu import cpu_attention
 from specserve.model import attention as A
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),

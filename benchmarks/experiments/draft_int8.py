@@ -3,7 +3,7 @@ products in the model's dtype against int8 (specserve.model.quant) at a few row 
 whole EAGLE-2 proposals (the head pass over the last step's committed tokens, then the tree's
 passes) with the two heads alternating, and how often their drafts agree.
 
-    python benchmarks/draft_int8.py [--context 300] [--rows 1 2 4 8 16] [--runs 30]
+    python benchmarks/experiments/draft_int8.py [--context 300] [--rows 1 2 4 8 16] [--runs 30]
 """
 
 import argparse
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def best_us(fn, runs: int, inner: int = 20) -> float:

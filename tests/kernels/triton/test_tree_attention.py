@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specserve.kernels import tree_attention
-from specserve.kernels.paged_attention import paged_attention_ref
-from specserve.kernels.tree_attention import (
+from specserve.kernels.triton.paged_attention import paged_attention_ref
+from specserve.kernels.triton.tree_attention import (
     causal_tree_mask,
     dense_mask_attention_ref,
     num_mask_words,

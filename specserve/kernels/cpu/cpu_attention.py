@@ -4,7 +4,7 @@
 It reads each request's keys and values in place through the block table, where the SDPA path
 first gathers every request's context into a padded batch (a copy of the whole context per
 layer and step). Each row's result is independent of the batch around it (see the C source).
-Built and loaded by specserve.kernels.cbuild; `available()` says whether it can run here.
+Built and loaded by specserve.kernels.cpu.cbuild; `available()` says whether it can run here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.kernels.cbuild import Kernel
+from specserve.kernels.cpu.cbuild import Kernel
 
 MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in paged_attention.c)
 MAX_ROWS = 16  # query tokens per request (MAX_ROWS)

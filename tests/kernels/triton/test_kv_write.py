@@ -3,8 +3,9 @@ import importlib.util
 import pytest
 import torch
 
-from specserve.kernels import compact_kv, layer_ops, write_kv
-from specserve.kernels.kv_write import compact_kv_ref, compact_kv_triton, write_kv_ref, write_kv_triton
+from specserve.kernels import compact_kv, write_kv
+from specserve.kernels.cpu import layer_ops
+from specserve.kernels.triton.kv_write import compact_kv_ref, compact_kv_triton, write_kv_ref, write_kv_triton
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,8 +1,8 @@
 """The target's products at a few row counts: float32 GEMMs against int8 weights through our
-kernel (specserve.kernels.cpu_linear), for one decode step of a model's shapes (every layer's
+kernel (specserve.kernels.cpu.cpu_linear), for one decode step of a model's shapes (every layer's
 QKV, O, gate-up and down products plus the LM head), with the two alternating.
 
-    python benchmarks/int8_gemm.py [--rows 1 2 4 8 16 64 256] [--runs 5] [--layers 30]
+    python benchmarks/experiments/int8_gemm.py [--rows 1 2 4 8 16 64 256] [--runs 5] [--layers 30]
         [--hidden 576] [--intermediate 1536] [--kv 192] [--vocab 49152]
 
 The defaults are the default model's shapes (SmolLM2-135M). Prints ms per step for each row
@@ -16,14 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from specserve.kernels import cpu_linear
+    from specserve.kernels.cpu import cpu_linear
     from specserve.model.quant import Int8Linear
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -4,7 +4,7 @@ layers) for a decode token, a chain of 4 verify rows and trees of 4 and 8 nodes,
 context lengths. The two versions alternate run by run, so machine drift hits both alike;
 the outputs must be equal where both versions compute the same arithmetic (--check).
 
-    python benchmarks/attention_ab.py --base /path/to/other/checkout [--contexts 300 1500 3000] \\
+    python benchmarks/experiments/attention_ab.py --base /path/to/other/checkout [--contexts 300 1500 3000] \\
         [--runs 25] [--check]
 """
 
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # name: (query rows, tree parents or None for causal rows)
 CASES = {"decode": (1, None), "chain4": (4, None), "tree4": (4, [-1, 0, 0, 1]),
@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=25)
     p.add_argument("--check", action="store_true", help="fail unless both versions give equal outputs")
     args = p.parse_args()
-    here = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve().parents[2]
     versions = {"base": load_attention(args.base.resolve(), "_attention_base"),
                 "this": load_attention(here, "_attention_this")}
     kv_heads, group, head_dim, block, layers = 3, 3, 64, 16, 30

@@ -1,16 +1,14 @@
-"""A layer's small ops in C (specserve/kernels/layer_ops.c): the rotary embedding gives
+"""A layer's small ops in C (specserve/kernels/cpu/layer_ops.c): the rotary embedding gives
 PyTorch's bits, the RMS norm with its residual add matches PyTorch's and gives every row the
 same bits whatever the batch, the MLP activation matches PyTorch's, the vocabulary argmax is
 torch.argmax's answer (ties and NaN included), and the model that uses them decodes as the one
 that does not."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels import layer_ops
+from specserve.kernels.cpu import layer_ops
 from specserve.model.llama import MLP, Attention, RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not layer_ops.available(), reason="layer_ops kernel unavailable")
@@ -88,31 +86,6 @@ def test_rows_view_says_what_the_kernels_can_read_and_draft_top_k_hands_them_ove
     assert torch.equal(tok, idx) and torch.equal(lp, val) and lp.is_contiguous() and tok.is_contiguous()
 
 
-@pytest.mark.parametrize("min_score,d2t", [(-math.inf, False), (-6.0, True), (-4.5, False)])
-def test_medusa_trees_is_the_python_walk(min_score, d2t):
-    from specserve.spec_decode.medusa import DEFAULT_MEDUSA_TREE, medusa_plan
-    from tests import tree_reference
-
-    plan, dfs = medusa_plan(DEFAULT_MEDUSA_TREE, 4)
-    g = torch.Generator().manual_seed(1)
-    heads, b, width = 4, 6, 4
-    logits = 3 * torch.randn(heads * b, 300, generator=g)  # row k * b + j: head k, request j
-    ids = torch.randperm(49152, generator=g)[:300] if d2t else None  # the heads' vocabulary in the target's
-    budgets = [16, 3, 0, 18, 7, 1]
-    top_lp, top = layer_ops.top_logprobs(logits, width)
-    top = ids[top] if d2t else top
-    want = tree_reference.medusa_trees(plan, dfs, top_lp.view(heads, b, width).tolist(),
-                                       top.view(heads, b, width).tolist(), budgets, min_score)
-    build = layer_ops.medusa_tree_builder(heads, width, ids, torch.tensor(plan), torch.tensor(dfs))
-    got = build(layer_ops.rows_view(logits), budgets, min_score)
-    assert got == want == build(layer_ops.rows_view(top_lp), budgets, min_score, top.data_ptr())  # top-k given
-    assert not got[2][0] and all(len(t[0]) <= n for t, n in zip(got, budgets))
-    if min_score == -math.inf:
-        assert [len(t[0]) for t in got] == budgets[:3] + [18, 7, 1]
-    else:
-        assert any(0 < len(t[0]) < n for t, n in zip(got, budgets))  # the score cut took some
-
-
 def test_greedy_verification_takes_the_walk(monkeypatch):
     from specserve.sampling import FlatTrees, verify_trees
 
@@ -129,7 +102,7 @@ def test_greedy_verification_takes_the_walk(monkeypatch):
 
 
 def test_the_host_calls_check_their_lists_and_verification_runs_without_them(monkeypatch, tmp_path):
-    from specserve.kernels.cbuild import Extension
+    from specserve.kernels.cpu.cbuild import Extension
     from specserve.sampling import FlatTrees, verify_trees
 
     assert layer_ops.host_available()
@@ -146,17 +119,6 @@ def test_the_host_calls_check_their_lists_and_verification_runs_without_them(mon
     got = verify_trees(x, torch.tensor([True, True]), torch.tensor([0, 0]), torch.zeros(5, dtype=torch.int64),
                        trees, True)
     assert (got.accepted, got.final) == (want.accepted, want.final) == ([[0, 2], []], [5, 1])
-    # EAGLE and Medusa grow their trees in C: without it "auto" takes prompt lookup, and they say why
-    from specserve.config import DEFAULT_MODEL, SpecConfig
-    from specserve.spec_decode.methods import _tree_proposer, resolve
-
-    assert resolve(SpecConfig(method="auto"), DEFAULT_MODEL).method == "ngram"
-    monkeypatch.setattr(layer_ops, "host_available", lambda: True)
-    assert resolve(SpecConfig(method="auto"), DEFAULT_MODEL).method == "eagle"
-    monkeypatch.setattr(layer_ops, "host_available", lambda: False)
-    for method in ("eagle", "medusa"):
-        with pytest.raises(ValueError, match=f"method '{method}' grows its trees in C.*use 'ngram'"):
-            _tree_proposer(SpecConfig(method=method, model="heads"), None, DEFAULT_MODEL, 256)
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C")
     ext = Extension(broken)

@@ -26,9 +26,6 @@
  * greedy_walk: greedy verification of every request's draft tree: from its root row, the argmax
  *     (as argmax above) of each row on the way picks the child that matches it, so only the rows
  *     of the accepted path are read, where an argmax of every row reads them all.
- * medusa_trees: Medusa's draft trees for a batch from its heads' top-k (the host side of
- *     specserve.spec_decode.medusa: which rank paths pass the budget and the score cut, listed
- *     depth first), one call where Python takes two loops over the paths of every request.
  * Compiled with -ffp-contract=off (cbuild.FLAGS): no product is fused into a sum.
  */
 #include <immintrin.h>
@@ -248,18 +245,6 @@ void top_logprobs(const float *x, int64_t rows, int64_t n, int64_t row_stride, i
     }
 }
 
-/* top_logprobs, or, where ids is not NULL, the top-k taken already (on a GPU): x then holds rows of
- * k log q (row r at x + r * row_stride) and ids [rows, k] contiguous their tokens (d2t unused). */
-static void top_or_given(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t k,
-                         const int64_t *d2t, const int64_t *ids, float *val, int64_t *idx, int threads) {
-    if (!ids) {
-        top_logprobs(x, rows, n, row_stride, k, d2t, val, idx, threads);
-        return;
-    }
-    for (int64_t r = 0; r < rows; r++) memcpy(val + r * k, x + r * row_stride, (size_t)k * sizeof(float));
-    memcpy(idx, ids, (size_t)(rows * k) * sizeof(int64_t));
-}
-
 /* gate_up: [rows, 2 * inter] contiguous, each row gate then up; out: [rows, inter] contiguous. */
 void silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_MIN) schedule(static)
@@ -292,54 +277,5 @@ int copy_slots(char *k, char *v, int64_t layers, int64_t layer_stride, int64_t s
             for (int64_t i = 0; i < n; i++) memcpy(base + dst[i] * slot_stride, buf + i * row_bytes, row_bytes);
         }
     free(buf);
-    return 0;
-}
-
-/* Medusa's trees. x: [K * B] rows of n logits (row k * B + b: head k, request b; row r at x + r
- * * row_stride); each head's w best per request (as top_logprobs: log q, the lower index first
- * on ties), their tokens through d2t (when not NULL); or, with ids, x's rows the heads' top w
- * already (top_or_given); plan: [P, 3] rank paths shorter first,
- * each (head, rank, index of its prefix path or -1); dfs: [P] path indices in depth-first
- * order; budget: [B]. For request b, path i is taken when its prefix was, its score (the
- * prefix's, 0 at the root, + its log q, in double as Python adds) is >= min_score, and fewer
- * than budget[b] paths were taken before it. The taken paths, depth first, are nodes 0..count-1
- * of request b: out[b] = (token [P], parent node [P] (-1: the root), count), scores[b] [P].
- * Returns 0, or -1 when out of memory (nothing written). */
-int medusa_trees(const float *x, int64_t K, int64_t B, int64_t n, int64_t row_stride, int64_t w,
-                 const int64_t *d2t, const int64_t *ids, const int64_t *plan, const int64_t *dfs, int64_t P, const int64_t *budget,
-                 double min_score, int64_t *out, double *scores, int threads) {
-    float *top_lp = malloc((size_t)(K * B * w) * sizeof(float));
-    int64_t *top = malloc((size_t)(K * B * w) * sizeof(int64_t));
-    double *score = malloc((size_t)P * sizeof(double));
-    int64_t *node = malloc((size_t)P * sizeof(int64_t));
-    if (!top_lp || !top || !score || !node) {
-        free(top_lp), free(top), free(score), free(node);
-        return -1;
-    }
-    top_or_given(x, K * B, n, row_stride, w, d2t, ids, top_lp, top, threads);
-    for (int64_t b = 0; b < B; b++) {
-        int64_t left = budget[b];
-        for (int64_t i = 0; i < P; i++) {
-            const int64_t head = plan[3 * i], rank = plan[3 * i + 1], prefix = plan[3 * i + 2];
-            node[i] = -2; /* not taken */
-            if (!left || (prefix >= 0 && node[prefix] == -2)) continue;
-            const double s = (prefix >= 0 ? score[prefix] : 0.0) + (double)top_lp[(head * B + b) * w + rank];
-            if (s < min_score) continue;
-            score[i] = s, node[i] = -1, left--;
-        }
-        int64_t *tok = out + b * (2 * P + 1), *par = tok + P, m = 0;
-        for (int64_t j = 0; j < P; j++) {
-            const int64_t i = dfs[j];
-            if (node[i] == -2) continue;
-            const int64_t head = plan[3 * i], rank = plan[3 * i + 1], prefix = plan[3 * i + 2];
-            node[i] = m;
-            tok[m] = top[(head * B + b) * w + rank];
-            par[m] = prefix >= 0 ? node[prefix] : -1;
-            scores[b * P + m] = score[i];
-            m++;
-        }
-        tok[2 * P] = m;
-    }
-    free(top_lp), free(top), free(score), free(node);
     return 0;
 }

@@ -8,11 +8,12 @@ PyTorch's) and normalises each row with its own fixed summation order (batch-inv
 PyTorch's bits); `rotary_` computes exactly PyTorch's rotate-half expression (the same bits);
 `silu_mul` is the MLP's silu(gate) * up (to ~1e-7); `argmax` gives exactly torch.argmax's
 indices, in a fraction of its time over a vocabulary; `copy_slots` moves KV cache slots in every
-layer at once. Built and loaded by specserve.kernels.cbuild; `available()` says whether they
-can run here. What a speculative step calls between its forwards (greedy verification,
-Medusa's trees, EAGLE's tree growth, on every device) goes through host_ops.c, the same C
-as an extension module that reads and returns Python lists (`host_available()`); such a call
-takes a tensor's geometry from `rows_view`, once.
+layer at once. Built and loaded by specserve.kernels.cpu.cbuild; `available()` says whether
+they can run here. Greedy verification, which a speculative step calls between its forwards on
+every device, goes through host_ops.c, the same C as an extension module that reads and returns
+Python lists (`host_available()`); it takes a tensor's geometry from `rows_view`, once, as the
+speculative methods' tree growth does (specserve.spec_decode.tree_ops, an extension module on
+this C).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.kernels.cbuild import Extension, Kernel
+from specserve.kernels.cpu.cbuild import Extension, Kernel
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -42,18 +43,21 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 _kernel = Kernel(Path(__file__).with_name("layer_ops.c"), _declare)
-_host = Extension(Path(__file__).with_name("host_ops.c"))  # the step's host-facing ones (host_ops.c)
+_host = Extension(Path(__file__).with_name("host_ops.c"))  # greedy verification's host call (host_ops.c)
 
 
 def available() -> bool:
     return _kernel.available()
 
 
+def why_unavailable() -> str | None:
+    return _kernel.why_unavailable()
+
+
 def host_available() -> bool:
-    """Whether greedy_walk, medusa_tree_builder, eagle_children and eagle_next_pass can run
-    here: the CPU's kernels as a CPython extension module (host_ops.c), which needs a C
-    compiler and Python's headers to build; EAGLE and Medusa need them. (Asked every step: the
-    answer is kept.)"""
+    """Whether greedy_walk can run here: the CPU's kernels as a CPython extension module
+    (host_ops.c), which needs a C compiler and Python's headers to build. (Asked every step:
+    the answer is kept.)"""
     global _host_ok
     if _host_ok is None:
         _host_ok = _kernel.available() and _host.available()
@@ -61,11 +65,6 @@ def host_available() -> bool:
 
 
 _host_ok: bool | None = None
-
-
-def host_why_unavailable() -> str | None:
-    """Why host_available() is False (None when it is True)."""
-    return _kernel.why_unavailable() or _host.why_unavailable()
 
 
 def rows_view(x: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -140,43 +139,6 @@ def top_logprobs(x: torch.Tensor, k: int, d2t: torch.Tensor | None = None) -> tu
     return val, idx
 
 
-def eagle_children(x: tuple[int, int, int, int], k: int, d2t: int, min_score: float, grow: list,
-                   parents: list[list[int]], ids: int = 0) -> None:
-    """EAGLE's children of one head pass in one call (host_ops.c; needs host_available()). x:
-    rows_view of the pass's draft logits, one row per parent, request after request (or, with
-    ids, of their top-k log q, ids the address of the [rows, k] int64 tokens: see
-    specserve.sampling.draft_top_k); grow: the growing trees (objects with lists tokens,
-    scores, parents, out_row, rows); parents: each one's parent nodes (-1: its root). Each
-    parent gets its k best tokens (through d2t, the address of an [n] int64 map, or 0) scoring
-    the parent's score + log q; each tree's `frontier` becomes its k best new nodes (ties: the
-    earlier) scoring at least min_score."""
-    if not 1 <= k <= x[2] or (ids and k != x[2]):
-        raise ValueError(f"eagle_children: k={k} of {x[2]} columns")
-    _host.module.eagle_children(*x, k, d2t, ids, torch.get_num_threads(), float(min_score), grow, parents)
-
-
-def eagle_next_pass(grow: list, depth: int, device: torch.device | None = None):
-    """The inputs of EAGLE's next head pass in one call (host_ops.c; needs host_available()),
-    with the growing trees' bookkeeping updated. -> (the index in grow of each tree in the pass,
-    token ids [N], positions [N], each row's parent's row in the last pass's output [N], per
-    tree (mask [f, past + f] bool, past, f)), the tensors on `device` (None: the CPU), or None
-    when no tree has a frontier; off the CPU all of it goes over in one copy."""
-    got = _host.module.eagle_next_pass(grow, depth)
-    if got is None:
-        return None
-    active, index, segments = got
-    if device is None:
-        index = torch.frombuffer(index, dtype=torch.int64)
-        masks = [torch.frombuffer(m, dtype=torch.bool) for m, _, _ in segments]
-    else:  # index first (8-byte aligned), then every mask
-        flat = torch.frombuffer(bytearray().join([index, *(m for m, _, _ in segments)]), dtype=torch.uint8)
-        flat, size = flat.to(device), len(index)
-        index = flat[:size].view(torch.int64)
-        masks = flat[size:].view(torch.bool).split([len(m) for m, _, _ in segments])
-    return active, *index.view(3, -1).unbind(), [(m.view(f, -1), past, f)
-                                                  for m, (_, past, f) in zip(masks, segments)]
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [rows, 2 * inter] float32 contiguous (each row gate then up) -> silu(gate) * up,
     [rows, inter] float32 (to ~1e-7 of PyTorch's)."""
@@ -210,33 +172,3 @@ def slot_mover(k_cache: torch.Tensor, v_cache: torch.Tensor):
             raise MemoryError("copy_slots: out of memory")
 
     return move
-
-
-def medusa_tree_builder(heads: int, width: int, d2t: torch.Tensor | None, plan: torch.Tensor, dfs: torch.Tensor):
-    """A callable (x, budget, min_score, ids=0) that builds Medusa's draft trees from its heads'
-    logits in one call (host_ops.c, layer_ops.c: medusa_trees; needs host_available()); the
-    plan is read once, here. x: rows_view of [heads * B, n] logits (row k * B + b: head k,
-    request b), whose `width` best tokens per head and request (through d2t [n] int64, when
-    given) are the candidates (or, with ids, of their top-`width` log q, ids the address of
-    their tokens, as eagle_children); plan: [P, 3] int64 rank paths, shorter first, as (head, rank,
-    prefix path or -1); dfs: [P] int64 path indices depth first; budget: B ints. -> per
-    request (tokens, parents, scores) of its tree, depth first (empty lists: no node)."""
-    plan, dfs = plan.contiguous(), dfs.contiguous()
-    assert plan.dtype == dfs.dtype == torch.int64 and plan.dim() == 2 and plan.shape[1] == 3
-    assert d2t is None or (d2t.dtype == torch.int64 and d2t.is_contiguous() and not d2t.is_cuda)
-    p, build = plan.shape[0], _host.module.medusa_trees
-    plan_ptr, dfs_ptr, map_ptr = plan.data_ptr(), dfs.data_ptr(), 0 if d2t is None else d2t.data_ptr()
-    n_map = -1 if d2t is None else len(d2t)
-
-    def trees(x: tuple[int, int, int, int], budget: list[int], min_score: float,
-              ids: int = 0) -> list[tuple[list, list, list]]:
-        ptr, rows, n, row_stride = x
-        b = len(budget)
-        if rows != heads * b or width > n or (ids and n != width) or (not ids and n_map not in (-1, n)):
-            raise ValueError(f"medusa_trees: {rows} rows of {n} for {heads} heads x {b} requests, "
-                             f"top-{width}" + (f", a map of {n_map} ids" if n_map >= 0 else ""))
-        return build(ptr, heads, b, n, row_stride, width, map_ptr, ids, plan_ptr, dfs_ptr, p, budget,
-                     float(min_score), torch.get_num_threads())
-
-    trees.inputs = (plan, dfs, d2t)  # alive as long as the callable: the kernel reads their memory
-    return trees

@@ -4,7 +4,7 @@ top-2 branches), for the default model on this machine, with a timed split of at
 the LM head. Tree methods pay for every verified row; on a CPU that sets how many nodes a
 tree should hold (speculative_config min_draft_prob, num_speculative_tokens).
 
-    python benchmarks/verify_rows.py [--context 300] [--rows 0 2 4 8 12 16] [--runs 7]
+    python benchmarks/experiments/verify_rows.py [--context 300] [--rows 0 2 4 8 12 16] [--runs 7]
 """
 
 import argparse
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> None:

@@ -1,65 +1,31 @@
-/* The kernels of layer_ops.c that a speculative step calls between its forwards, as a CPython
- * extension module: they take the step's Python lists and give Python lists back.
+/* EAGLE's and Medusa's tree growth (the host side of specserve.spec_decode.eagle and .medusa) as
+ * a CPython extension module on the CPU's kernels: layer_ops.c's top_logprobs and pylists.h, from
+ * specserve/kernels/cpu, which its build (cbuild.Extension) puts on the include path. As
+ * host_ops.c there, each call reads the step's Python lists in place and builds its result
+ * directly: between two forwards a ctypes call would spend more on converting them than the C on
+ * its work.
  *
- * Between two forwards the code of everything a step runs is cold again, and a ctypes call
- * there costs its argument conversion, an array built from the lists and a slice read back: a
- * greedy verification of one request took ~17 us that way, of which its C ~5 us (the ctypes
- * call alone, for a walk of a few rows). Here each is one call that reads the lists in place
- * and builds its result directly.
- *
- * greedy_walk(x, rows, n, row_stride, roots, trees, threads) -> (paths, finals)
- *     greedy verification (layer_ops.c: greedy_walk) of every request's tree: x the address of
- *     `rows` rows of n float32 (row r at x + r * row_stride); roots: B ints; trees: B
- *     tuples whose first two items are its tokens and parents (int lists). paths: B lists of accepted node indices; finals: B
- *     ints. IndexError when a tree's rows run past x.
  * medusa_trees(x, heads, B, n, row_stride, width, d2t, ids, plan, dfs, P, budgets, min_score, threads)
- *     -> B (tokens, parents, scores) tuples: layer_ops.c: medusa_trees (d2t: the address of an
- *     [n] int64 map, or 0; ids: 0, or the address of the top-k's ids when x holds the top-k
- *     already; plan and dfs the addresses of its [P, 3] and [P] int64 arrays; budgets B ints).
+ *     -> B (tokens, parents, scores) tuples: Medusa's draft trees for a batch from its heads'
+ *     top-k (medusa_trees below: which rank paths pass the budget and the score cut, listed
+ *     depth first), one call where Python takes two loops over the paths of every request
+ *     (d2t: the address of an [n] int64 map, or 0; ids: 0, or the address of the top-k's ids
+ *     when x holds the top-k already; plan and dfs the addresses of its [P, 3] and [P] int64
+ *     arrays; budgets B ints).
  * eagle_children(x, rows, n, row_stride, k, d2t, ids, threads, min_score, grow, parents) -> None
  *     EAGLE's children of one pass, appended to each growing tree's lists, and its next
  *     frontier (below); d2t and ids as for medusa_trees.
  * eagle_next_pass(grow, depth) -> (active, index, segments) or None: the inputs of EAGLE's
  *     next head pass (below).
- * The addresses and shapes come from the caller (specserve.kernels.layer_ops), which checked them.
+ * The addresses and shapes come from the caller (specserve.spec_decode.tree_ops), which checked them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "layer_ops.c"
+#include "pylists.h"
 
-/* Appends the ints of a list (or tuple) to buf[*at..]; -1 with a Python error set. */
-static int read_ints(PyObject *seq, int64_t *buf, Py_ssize_t *at) {
-    PyObject *fast = PySequence_Fast(seq, "expected a list of ints");
-    if (!fast) return -1;
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const long long v = PyLong_AsLongLong(items[i]);
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(fast);
-            return -1;
-        }
-        buf[(*at)++] = v;
-    }
-    Py_DECREF(fast);
-    return 0;
-}
-
-static PyObject *int_list(const int64_t *v, Py_ssize_t n) {
-    PyObject *out = PyList_New(n);
-    if (!out) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *x = PyLong_FromLongLong(v[i]);
-        if (!x) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, x);
-    }
-    return out;
-}
-
+/* A list of the n floats of fv (or, fv NULL, of the doubles of dv); NULL with a Python error set. */
 static PyObject *float_list(const float *fv, const double *dv, Py_ssize_t n) {
     PyObject *out = PyList_New(n);
     if (!out) return NULL;
@@ -74,93 +40,65 @@ static PyObject *float_list(const float *fv, const double *dv, Py_ssize_t n) {
     return out;
 }
 
-/* The arguments as kinds says, one letter each: 'i' an int (read into out[i]), 'o' anything
- * (read by the caller); -1 with a Python error set. */
-static int parse(PyObject *const *args, Py_ssize_t nargs, const char *kinds, int64_t *out, const char *name) {
-    const Py_ssize_t want = (Py_ssize_t)strlen(kinds);
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
-        return -1;
+/* top_logprobs, or, where ids is not NULL, the top-k taken already (on a GPU): x then holds rows of
+ * k log q (row r at x + r * row_stride) and ids [rows, k] contiguous their tokens (d2t unused). */
+static void top_or_given(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t k,
+                         const int64_t *d2t, const int64_t *ids, float *val, int64_t *idx, int threads) {
+    if (!ids) {
+        top_logprobs(x, rows, n, row_stride, k, d2t, val, idx, threads);
+        return;
     }
-    for (Py_ssize_t i = 0; i < want; i++) {
-        if (kinds[i] != 'i') continue;
-        out[i] = PyLong_AsLongLong(args[i]);
-        if (out[i] == -1 && PyErr_Occurred()) return -1;
-    }
-    return 0;
+    for (int64_t r = 0; r < rows; r++) memcpy(val + r * k, x + r * row_stride, (size_t)k * sizeof(float));
+    memcpy(idx, ids, (size_t)(rows * k) * sizeof(int64_t));
 }
 
-static PyObject *py_greedy_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[7];
-    if (parse(args, nargs, "iiiiooi", a, "greedy_walk")) return NULL;
-    PyObject *roots = args[4], *trees = PySequence_Fast(args[5], "greedy_walk: trees must be a list");
-    if (!trees) return NULL;
-    const Py_ssize_t B = PySequence_Fast_GET_SIZE(trees);
-    PyObject **tree = PySequence_Fast_ITEMS(trees);
-    Py_ssize_t M = 0;
-    for (Py_ssize_t b = 0; b < B; b++) {
-        PyObject *tokens = PyTuple_Check(tree[b]) && PyTuple_GET_SIZE(tree[b]) >= 2 ? PyTuple_GET_ITEM(tree[b], 0)
-                                                                                     : NULL;
-        const Py_ssize_t m = tokens ? PyObject_Length(tokens) : -1;
-        if (m < 0) {
-            Py_DECREF(trees);
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "greedy_walk: trees are (tokens, parents) pairs");
-            return NULL;
+/* Medusa's trees. x: [K * B] rows of n logits (row k * B + b: head k, request b; row r at x + r
+ * * row_stride); each head's w best per request (as top_logprobs: log q, the lower index first
+ * on ties), their tokens through d2t (when not NULL); or, with ids, x's rows the heads' top w
+ * already (top_or_given); plan: [P, 3] rank paths shorter first,
+ * each (head, rank, index of its prefix path or -1); dfs: [P] path indices in depth-first
+ * order; budget: [B]. For request b, path i is taken when its prefix was, its score (the
+ * prefix's, 0 at the root, + its log q, in double as Python adds) is >= min_score, and fewer
+ * than budget[b] paths were taken before it. The taken paths, depth first, are nodes 0..count-1
+ * of request b: out[b] = (token [P], parent node [P] (-1: the root), count), scores[b] [P].
+ * Returns 0, or -1 when out of memory (nothing written). */
+int medusa_trees(const float *x, int64_t K, int64_t B, int64_t n, int64_t row_stride, int64_t w,
+                 const int64_t *d2t, const int64_t *ids, const int64_t *plan, const int64_t *dfs, int64_t P, const int64_t *budget,
+                 double min_score, int64_t *out, double *scores, int threads) {
+    float *top_lp = malloc((size_t)(K * B * w) * sizeof(float));
+    int64_t *top = malloc((size_t)(K * B * w) * sizeof(int64_t));
+    double *score = malloc((size_t)P * sizeof(double));
+    int64_t *node = malloc((size_t)P * sizeof(int64_t));
+    if (!top_lp || !top || !score || !node) {
+        free(top_lp), free(top), free(score), free(node);
+        return -1;
+    }
+    top_or_given(x, K * B, n, row_stride, w, d2t, ids, top_lp, top, threads);
+    for (int64_t b = 0; b < B; b++) {
+        int64_t left = budget[b];
+        for (int64_t i = 0; i < P; i++) {
+            const int64_t head = plan[3 * i], rank = plan[3 * i + 1], prefix = plan[3 * i + 2];
+            node[i] = -2; /* not taken */
+            if (!left || (prefix >= 0 && node[prefix] == -2)) continue;
+            const double s = (prefix >= 0 ? score[prefix] : 0.0) + (double)top_lp[(head * B + b) * w + rank];
+            if (s < min_score) continue;
+            score[i] = s, node[i] = -1, left--;
         }
-        M += m;
-    }
-    int64_t *in = malloc((size_t)(2 * B + 1 + 2 * M + 1) * sizeof(int64_t));
-    int64_t *out = malloc((size_t)(M + 2 * B + 1) * sizeof(int64_t));
-    PyObject *result = NULL;
-    if (!in || !out) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_ssize_t at = 0, tok_at = 2 * B + 1, par_at = 2 * B + 1 + M;
-    if (read_ints(roots, in, &at)) goto done;
-    if (at != B) {
-        PyErr_SetString(PyExc_ValueError, "greedy_walk: one root per tree");
-        goto done;
-    }
-    in[at++] = 0;
-    for (Py_ssize_t b = 0; b < B; b++) {
-        const Py_ssize_t t0 = tok_at, p0 = par_at;
-        if (read_ints(PyTuple_GET_ITEM(tree[b], 0), in, &tok_at) || read_ints(PyTuple_GET_ITEM(tree[b], 1), in, &par_at))
-            goto done;
-        if (tok_at - t0 != par_at - p0) {
-            PyErr_SetString(PyExc_ValueError, "greedy_walk: a tree's tokens and parents differ in length");
-            goto done;
+        int64_t *tok = out + b * (2 * P + 1), *par = tok + P, m = 0;
+        for (int64_t j = 0; j < P; j++) {
+            const int64_t i = dfs[j];
+            if (node[i] == -2) continue;
+            const int64_t head = plan[3 * i], rank = plan[3 * i + 1], prefix = plan[3 * i + 2];
+            node[i] = m;
+            tok[m] = top[(head * B + b) * w + rank];
+            par[m] = prefix >= 0 ? node[prefix] : -1;
+            scores[b * P + m] = score[i];
+            m++;
         }
-        in[at] = in[at - 1] + (tok_at - t0);
-        at++;
+        tok[2 * P] = m;
     }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = greedy_walk((const float *)(intptr_t)a[0], a[1], a[2], a[3], B, M, in, out, (int)a[6]);
-    Py_END_ALLOW_THREADS
-    if (rc) {
-        PyErr_Format(PyExc_IndexError, "greedy_walk: a tree's rows run past the %lld rows of x", (long long)a[1]);
-        goto done;
-    }
-    PyObject *paths = PyList_New(B), *finals = int_list(out + M + B, B);
-    if (!paths || !finals) {
-        Py_XDECREF(paths), Py_XDECREF(finals);
-        goto done;
-    }
-    for (Py_ssize_t b = 0; b < B; b++) {
-        PyObject *path = int_list(out + in[B + b], out[M + b]);
-        if (!path) {
-            Py_DECREF(paths), Py_DECREF(finals);
-            goto done;
-        }
-        PyList_SET_ITEM(paths, b, path);
-    }
-    result = PyTuple_Pack(2, paths, finals);
-    Py_DECREF(paths), Py_DECREF(finals);
-done:
-    free(in), free(out);
-    Py_DECREF(trees);
-    return result;
+    free(top_lp), free(top), free(score), free(node);
+    return 0;
 }
 
 static PyObject *py_medusa_trees(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -450,16 +388,15 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"greedy_walk", (PyCFunction)(void (*)(void))py_greedy_walk, METH_FASTCALL, "greedy verification of every tree"},
     {"medusa_trees", (PyCFunction)(void (*)(void))py_medusa_trees, METH_FASTCALL, "Medusa's draft trees"},
     {"eagle_children", (PyCFunction)(void (*)(void))py_eagle_children, METH_FASTCALL, "EAGLE's children of a pass"},
     {"eagle_next_pass", (PyCFunction)(void (*)(void))py_eagle_next_pass, METH_FASTCALL, "EAGLE's next pass's rows"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "host_ops", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tree_ops", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit_host_ops(void) {
+PyMODINIT_FUNC PyInit_tree_ops(void) {
     if (!(s_tokens = PyUnicode_InternFromString("tokens")) || !(s_scores = PyUnicode_InternFromString("scores"))
         || !(s_parents = PyUnicode_InternFromString("parents")) || !(s_out_row = PyUnicode_InternFromString("out_row"))
         || !(s_rows = PyUnicode_InternFromString("rows")) || !(s_frontier = PyUnicode_InternFromString("frontier"))

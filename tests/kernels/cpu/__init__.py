@@ -1,0 +1,1 @@
+"""Tests of the CPU's C kernels (specserve.kernels.cpu)."""

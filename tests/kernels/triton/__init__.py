@@ -1,0 +1,1 @@
+"""Tests of the Triton kernels and their PyTorch references (specserve.kernels.triton)."""
