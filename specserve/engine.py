@@ -45,6 +45,7 @@ class EngineStats:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_steps: int = 0
+    num_decode_only_steps: int = 0  # steps without a prefill chunk (every request decoding)
     num_preemptions: int = 0
     num_failed_steps: int = 0
     prompt_tokens_total: int = 0
@@ -241,6 +242,7 @@ class Engine:
         self.spec.observe_forward(sched, time.perf_counter() - start)
         emitted = self.spec.sample_and_verify(sched, step_logits)  # 3. sample / verify
         self._stats.num_steps += 1
+        self._stats.num_decode_only_steps += sched.decode_only
         self._stats.computed_tokens_total += sched.total_tokens
         for req, n, k, result in zip(sched.requests, sched.num_tokens, sched.num_drafts, emitted):
             req.num_computed_tokens += n  # 4. update

@@ -86,11 +86,12 @@ def test_tiny_model_run_writes_json_and_png_and_is_lossless(tmp_path, tiny_model
         assert row["requests"] == 3 and set(row["methods"]) == {"none", "none-2", "ngram"}
         for stats in row["methods"].values():
             assert stats["mismatches"] == 0 and stats["tokens_per_s"] > 0 and stats["tokens"] > 0
-        assert row["methods"]["none"]["speedup"] == 1.0
+            assert stats["decode_tokens_per_s"] > stats["tokens_per_s"]  # prefill steps left out
+        assert row["methods"]["none"]["speedup"] == row["methods"]["none"]["decode_speedup"] == 1.0
         assert row["methods"]["ngram"]["tokens"] == row["methods"]["none"]["tokens"]
         assert row["methods"]["none-2"]["mean_acceptance_length"] == 1.0  # the control never drafts
     table = capsys.readouterr().out
-    assert "tok/s" in table and "mismatch" in table and "split dev" in table
+    assert "tok/s" in table and "mismatch" in table and "split dev" in table and "decode" in table
 
 
 def test_interleaved_loops_time_only_their_own_steps(tiny_model_dir):
@@ -129,3 +130,21 @@ def test_the_agentic_workload_runs_every_turn_losslessly(tmp_path, tiny_model_di
     row = result["rows"][0]
     assert row["methods"]["suffix"]["mismatches"] == 0
     assert row["methods"]["suffix"]["tokens"] == row["methods"]["none"]["tokens"]
+
+
+def test_a_repeated_prompt_never_drafts_from_its_earlier_answer(tiny_model_dir):
+    """Each pass over the prompt list is a tenant of its own: suffix decoding's corpus for a
+    prompt's second appearance holds the other prompts' outputs, not its own first answer."""
+    from specserve import LLM, SamplingParams
+    from specserve.bench.load import ClosedLoop, interleaved
+
+    suffix = LLM(str(tiny_model_dir), speculative_config={"method": "suffix"}, max_model_len=256,
+                 enable_prefix_caching=False).engine
+    prompts = [[1, 5, 9, 5, 9], [2, 7, 7, 7], [1, 5, 9, 5, 9], [3, 4, 5], [2, 7, 7, 7]]
+    loop = ClosedLoop(suffix, prompts, 1, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), "t")
+    assert loop.passes == [0, 0, 1, 0, 1]
+    run = interleaved([loop])[0]
+    corpora = suffix.spec.proposer._corpora
+    assert set(corpora) == {"t-pass0", "t-pass1"}
+    assert len(corpora["t-pass0"].docs) == 3 and len(corpora["t-pass1"].docs) == 2
+    assert run.decode_tokens <= run.tokens and run.decode_seconds <= run.seconds

@@ -14,7 +14,7 @@ import pytest
 from specserve.spec_decode.cost_model import (MIN_SAMPLES, PLAIN_SAMPLE_EVERY, PROBE_AFTER, PROBE_RUN, Curve,
                                               Realized, StepCostModel)
 from specserve.spec_decode.draft_tree import DraftTree
-from specserve.spec_decode.policy import FAIRNESS, PROBE_FIRST, ScoreCalibration, SpecPolicy
+from specserve.spec_decode.policy import AHEAD_MAX, FAIRNESS, PROBE_FIRST, ScoreCalibration, SpecPolicy
 
 
 def model(f, per_request: float = 0.0, up_to: int = 512) -> StepCostModel:
@@ -97,6 +97,36 @@ def test_no_request_is_slowed_down_for_the_others():
     assert select(policy, 16, [chain_tree(4, 0.95)] * 2 + [chain_tree(4, 0.3)] * 14) == [[]] * 16
     assert select(policy, 17, [chain_tree(4, 0.95)] * 16) == [[]] * 16
     assert select(policy, 16, [chain_tree(4, 0.95)] * 16) == [list(range(4))] * 16
+
+
+def test_a_request_ahead_of_plain_decoding_may_give_some_of_its_lead_back():
+    """The same batches as above, where the requests without good drafts are ahead of plain
+    decoding (they accepted drafts before): the step may cost them part of that lead, never
+    more than they have, and a lead is capped (AHEAD_MAX) and never negative."""
+    f = lambda r: 0.01 * r  # noqa: E731
+    policy = calibrated(SpecPolicy(model(f, per_request=0.02), max_depth=16))
+    trees = [chain_tree(4, 0.95)] * 16
+    values = [policy.values(policy.new_state(), t) for t in trees]
+    keep = policy.select(17, trees, values, [False] * 16, 4096, [0.0] * 16, idle_ahead=3.0)
+    assert keep == [list(range(4))] * 16  # the one without drafts is 3 tokens ahead
+    assert policy.select(17, trees, values, [False] * 16, 4096, [0.0] * 16, idle_ahead=0.0) == [[]] * 16
+    poor = [chain_tree(4, 0.95)] * 2 + [chain_tree(4, 0.3)] * 14
+    values = [policy.values(policy.new_state(), t) for t in poor]
+    ahead = [0.0] * 2 + [3.0] * 14
+    keep = policy.select(16, poor, values, [False] * 16, 4096, ahead)
+    assert keep[0] and keep[1]
+    slowdown = policy.slowdown(16, 16 + sum(map(len, keep)))
+    assert slowdown > 1 / (1 - FAIRNESS)  # past what a request without a lead may pay
+    for b, nodes in enumerate(keep):  # nobody is left behind plain decoding
+        assert 1 + ahead[b] + values[b][nodes].sum() >= slowdown * (1 - FAIRNESS)
+    state = policy.new_state()
+    policy.advance(state, 5, 1.5)
+    assert state.ahead == 3.5
+    for _ in range(10):
+        policy.advance(state, 5, 1.0)
+    assert state.ahead == AHEAD_MAX
+    policy.advance(state, 1, AHEAD_MAX + 4)
+    assert state.ahead == 0.0
 
 
 def test_probes_stay_within_the_others_slow_down_budget():
@@ -217,6 +247,23 @@ def test_measured_model_follows_live_steps():
     for _ in range(40):  # the rows curve moves (live steps of one request): a step with drafts
         cost.observe(1, 12, 0.20)  # moves by its rows' share, its plain reference not at all
     assert cost.step_time(4, 4) == pytest.approx(0.09, rel=0.05)
+
+
+def test_a_drift_of_the_whole_step_is_not_charged_to_draft_rows():
+    """Steps grow slower as contexts grow, plain steps and steps with one or two draft rows
+    alike (a row costs what the rows curve says, nothing more): extra(B) stays near zero,
+    where an average of (seconds - plain) per draft row would read the drift between plain
+    samples as a cost of rows (~1 ms a row here, a quarter of the rows curve's price)."""
+    cost = StepCostModel({1: 0.02, 4: 0.024, 16: 0.04}, per_request=0.0, plain={4: 0.05})
+    for i in range(400):
+        t = 0.05 + 0.0002 * i  # the whole step drifts by 3.4 ms between plain samples
+        drafts = 0 if i % 17 == 0 else 1 + i % 2
+        cost.observe(4, 4 + drafts, t + cost.rows(4 + drafts) - cost.rows(4))
+    assert cost.extra(4) < 0.0003
+    for i in range(60):  # rows that do cost 2 ms more each: learnt, whatever the drift
+        drafts = 0 if i % 17 == 0 else 1 + i % 8
+        cost.observe(4, 4 + drafts, 0.13 + 0.0002 * i + cost.rows(4 + drafts) - cost.rows(4) + 0.002 * drafts)
+    assert cost.extra(4) == pytest.approx(0.002, rel=0.15)
 
 
 def test_a_batch_size_met_for_a_few_steps_is_judged_by_them():

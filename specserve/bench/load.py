@@ -17,9 +17,15 @@ whose speed drifts by tens of percent within a minute (shared cloud CPUs do) slo
 method alike; --sequential runs them one after another instead, in an order rotated from
 level to level. With --repeats N the median of N runs is reported.
 
-Per (level, method): throughput (output tokens / seconds of its own steps, prefill included), speedup over
-"none" at the same level, mean acceptance length (1 + accepted / drafts) and mismatches
-(requests whose token ids differ from plain decoding's; speculation is lossless, so 0).
+Per (level, method): throughput (output tokens / seconds of its own steps, prefill included),
+speedup over "none" at the same level, the decode speedup (the same over the steps without a
+prefill chunk only: what speculation does to decoding, where long prompts make prefill much of
+the time), mean acceptance length (1 + accepted / drafts) and mismatches (requests whose token
+ids differ from plain decoding's; speculation is lossless, so 0). Every run's requests, and
+each pass over the prompt list within a run, are a tenant of their own, so suffix decoding
+(method or lookup "suffix") drafts from what the other prompts of the same run produced, never
+from an earlier answer to the same prompt (which would make it look far better than on new
+requests).
 Writes a table to stdout and load.json + load.png into --out.
 
 `--workload agentic` runs instead every turn of specserve/data/agentic.jsonl's conversations
@@ -143,10 +149,16 @@ class Run:
     accepted: int
     preemptions: int
     outputs: list[list[int]] = field(repr=False)  # output token ids, in request-list order
+    decode_tokens: int = 0  # tokens emitted by steps without a prefill chunk
+    decode_seconds: float = 0.0  # and those steps' seconds
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 class ClosedLoop:
@@ -161,7 +173,13 @@ class ClosedLoop:
         self._before = (s.spec_num_drafts, s.spec_num_accepted_tokens, s.num_preemptions)
         self.outputs: list[list[int] | None] = [None] * len(prompt_ids)
         self.index: dict[str, int] = {}
-        self.seconds = 0.0
+        seen: dict[tuple, int] = {}
+        self.passes = []  # per request: how many times its prompt came before it in the list
+        for ids in prompt_ids:
+            self.passes.append(seen.get(key := tuple(ids), 0))
+            seen[key] = self.passes[-1] + 1
+        self.seconds = self.decode_seconds = 0.0
+        self.decode_tokens = 0
         start = time.perf_counter()
         while len(self.index) < min(concurrency, len(prompt_ids)):
             self._submit()
@@ -170,27 +188,41 @@ class ClosedLoop:
     def _submit(self) -> None:
         i = len(self.index)
         self.index[f"{self.tag}-{i}"] = i
-        self.engine.add_request(f"{self.tag}-{i}", self.prompt_ids[i], self.params)
+        # a tenant per run and pass over the prompts: suffix decoding's corpus holds what other
+        # prompts of this run produced, never an earlier answer to the same prompt
+        self.engine.add_request(f"{self.tag}-{i}", self.prompt_ids[i], self.params,
+                                tenant=f"{self.tag}-pass{self.passes[i]}")
 
     @property
     def done(self) -> bool:
         return not self.engine.has_unfinished_requests()
 
     def step(self) -> None:
+        s = self.engine.stats
+        decode_steps, emitted = s.num_decode_only_steps, s.generation_tokens_total
         start = time.perf_counter()
+        finished = []
         for out in self.engine.step():
             if out.finished:
                 self.outputs[self.index[out.request_id]] = list(out.outputs[0].token_ids)
-                if len(self.index) < len(self.prompt_ids):
-                    self._submit()
-        self.seconds += time.perf_counter() - start
+                finished.append(out)
+        elapsed = time.perf_counter() - start
+        if s.num_decode_only_steps > decode_steps:  # every request decoding: no prefill in it
+            self.decode_seconds += elapsed
+            self.decode_tokens += s.generation_tokens_total - emitted
+        start = time.perf_counter()
+        for _ in finished:
+            if len(self.index) < len(self.prompt_ids):
+                self._submit()
+        self.seconds += elapsed + time.perf_counter() - start
 
     def result(self) -> Run:
         s = self.engine.stats
         drafts, accepted, preempted = (now - then for now, then in zip(
             (s.spec_num_drafts, s.spec_num_accepted_tokens, s.num_preemptions), self._before))
         return Run(tokens=sum(len(o) for o in self.outputs), seconds=self.seconds, drafts=drafts,
-                   accepted=accepted, preemptions=preempted, outputs=self.outputs)
+                   accepted=accepted, preemptions=preempted, outputs=self.outputs,
+                   decode_tokens=self.decode_tokens, decode_seconds=self.decode_seconds)
 
 
 def closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, params, tag: str) -> Run:
@@ -293,13 +325,17 @@ def summarise_level(concurrency: int, runs: dict[str, list[Run]]) -> dict:
     and mismatches against none's first run (any repeat that differs counts)."""
     reference = runs["none"][0].outputs
     base = statistics.median(r.tokens_per_s for r in runs["none"])
+    decode_base = statistics.median(r.decode_tokens_per_s for r in runs["none"])
     methods = {}
     for m, rs in runs.items():
         tps = statistics.median(r.tokens_per_s for r in rs)
+        decode = statistics.median(r.decode_tokens_per_s for r in rs)
         drafts, accepted = sum(r.drafts for r in rs), sum(r.accepted for r in rs)
         mismatches = sum(any(r.outputs[i] != ref for r in rs) for i, ref in enumerate(reference))
         methods[m] = {"tokens_per_s": round(tps, 2),
                       "speedup": round(tps / base, 3) if base else None,
+                      "decode_tokens_per_s": round(decode, 2),
+                      "decode_speedup": round(decode / decode_base, 3) if decode_base else None,
                       "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
                       "mismatches": mismatches, "tokens": rs[0].tokens,
                       "seconds": [round(r.seconds, 3) for r in rs],
@@ -348,7 +384,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_table(result: dict) -> None:
     methods = list(result["methods"])
-    cell = f"{'tok/s':>9}{'speedup':>9}{'acc.len':>9}{'mismatch':>10}"
+    cell = f"{'tok/s':>9}{'speedup':>9}{'decode':>9}{'acc.len':>9}{'mismatch':>10}"
     width = len(cell)
     print(f"split {result['split']} ({result['num_prompts']} prompts), dtype {result['dtype']}")
     print(f"{'':>6}" + "".join(f"{m:>{width}}" for m in methods))
@@ -357,11 +393,14 @@ def print_table(result: dict) -> None:
         line = f"{row['concurrency']:>6}"
         for m in methods:
             s = row["methods"][m]
+            decode = s.get("decode_speedup")
             line += (f"{s['tokens_per_s']:>9.1f}{s['speedup']:>9.2f}"
+                     f"{'-' if decode is None else f'{decode:.2f}':>9}"
                      f"{s['mean_acceptance_length']:>9.2f}{s['mismatches']:>10}")
         print(line)
     print("tok/s: output tokens / seconds of the method's own engine steps (median of repeats); "
-          "speedup over none at that level")
+          "speedup over none at that level; decode: the same speedup over the steps without a "
+          "prefill chunk only")
     preempted = sum(s["preemptions"] for row in result["rows"] for s in row["methods"].values())
     if preempted:
         print(f"note: {preempted} preemptions (KV cache full); see load.json")

@@ -31,7 +31,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None,
                    help="name clients use in `model` (default: the engine's model name)")
     g.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
-                   help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32")
+                   help="auto: bfloat16 on CUDA; on a CPU float32 where specserve's C kernels run (x86 "
+                        "with AVX2), else bfloat16 where the CPU has it natively, else float32")
     g.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATION_CHOICES),
                    help="int8: the target's weights in int8 (one scale per output row) on the CPU, "
                         "through a batch-invariant AVX2 kernel: a quarter of float32's weight "

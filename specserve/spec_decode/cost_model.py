@@ -4,8 +4,9 @@ measurements: docs/speculation.md, "The cost model and the policy").
 `StepCostModel` predicts the seconds of a decode-only target step of B requests verifying R
 rows (B plus every draft node): t(B, R) = plain(B) [+ rows(R) - rows(B) + (R - B) extra(B)
 when R > B], rows(R) measured at engine start and refined by live steps of one request,
-plain(B) measured at start and by live plain steps, extra(B) learned from live steps with
-drafts. A step with drafts is always predicted against the plain step of its own B.
+plain(B) measured at start and by live plain steps, extra(B) the slope of live steps' time
+over their draft rows (a regression, so that a drift of the whole step is not charged to
+rows). A step with drafts is always predicted against the plain step of its own B.
 `Realized` checks the model's decisions against the wall clock, per batch-size bucket, and
 switches speculation off where it measures slower (probing again at doubling intervals).
 `Curve` is the table behind both and behind drafting costs. No number here is a constant true
@@ -28,6 +29,8 @@ PLAIN_EVERY = 16  # steps with drafts at a batch size between two plain ones (pl
 PROBE_AFTER, PROBE_MAX, PROBE_RUN = 32, 128, 6  # plain steps before a speculative probe run; its steps
 MIN_SAMPLES = 8  # speculative samples at a batch size before it can be judged slower
 PLAIN_SAMPLE_EVERY = 64  # steps with speculation between two plain samples of Realized
+FIT_DECAY = 0.95  # per live step of a batch size: the weight of older steps in extra(B)'s fit
+FIT_RIDGE = 4.0  # rows^2 of spread in draft rows before a batch size's own slope outweighs its prior
 _CALIBRATED: dict[tuple, tuple] = {}  # per process: engines of one model share the measurement
 
 
@@ -90,7 +93,7 @@ class StepCostModel:
         self.rows = Curve(rows)
         self.per_request = max(0.0, per_request)
         self._plain: dict[int, list[float]] = {b: [t, 1] for b, t in (plain or {}).items() if b > 1}
-        self._extra: dict[int, list[float]] = {}  # batch -> decayed sums [seconds beyond the curve, draft rows]
+        self._fit: dict[int, list[float]] = {}  # batch -> decayed sums [w, x, y, xx, xy] (see observe)
         self._since_plain: dict[int, int] = {}  # batch -> its steps with drafts since its last plain one
 
     def plain_time(self, batch: int) -> float:
@@ -108,15 +111,18 @@ class StepCostModel:
     def extra(self, batch: int) -> float:
         """Seconds each draft row adds at this batch size beyond what the rows curve says
         (longer contexts than at calibration, attention of draft rows), never less than
-        nothing; where no step with drafts ran at this size yet, the nearest size's."""
-        beyond, drafts = self._extra_sums(batch)
-        return max(0.0, beyond / drafts) if drafts else 0.0
+        nothing: the slope of its live steps' time over their draft rows, shrunk towards the
+        nearest other batch size's slope (or none) until its steps spread over enough rows."""
+        if batch == 1 or not self._fit:
+            return 0.0
+        others = [b for b in self._fit if b != batch]
+        prior = self._slope(min(others, key=lambda b: (abs(b - batch), -b)), 0.0) if others else 0.0
+        return self._slope(batch, prior) if batch in self._fit else prior
 
-    def _extra_sums(self, batch: int) -> tuple[float, float]:
-        """extra(B)'s decayed sums; a batch size without steps with drafts starts from the nearest one's."""
-        if batch == 1 or not self._extra:
-            return 0.0, 0.0
-        return self._extra.get(batch) or self._extra[min(self._extra, key=lambda b: (abs(b - batch), -b))]
+    def _slope(self, batch: int, prior: float) -> float:
+        w, x, y, xx, xy = self._fit[batch]
+        spread, co = xx - x * x / w, xy - x * y / w
+        return max(0.0, (co + FIT_RIDGE * prior) / (spread + FIT_RIDGE))
 
     def step_time(self, batch: int, rows: int) -> float:
         """Predicted seconds of a decode step of `batch` requests verifying rows - batch drafts
@@ -132,8 +138,11 @@ class StepCostModel:
     def observe(self, batch: int, rows: int, seconds: float) -> None:
         """A live decode-only step. One request: the rows curve itself. Several: plain steps
         measure plain(B) (the prior counted as one step, then the mean of the steps, then an
-        EMA: a batch size met for a few steps, a load's tail, is judged by them); steps with
-        drafts teach extra(B), as decayed sums so that one draft row's noise is no rate."""
+        EMA: a batch size met for a few steps, a load's tail, is judged by them); every step
+        is a point (x = draft rows, y = seconds less the rows curve's part) of a decayed
+        least-squares line whose slope is extra(B). Its intercept absorbs what moves the
+        whole step (contexts growing between plain samples, the load's mix), which a per-row
+        average over steps of one or two draft rows would charge to the rows many times over."""
         if batch == 1:
             self.rows.update(rows, seconds)
             return
@@ -144,10 +153,13 @@ class StepCostModel:
             w = max(0.2, 1 / (n + 1))
             self._plain[batch], self._since_plain[batch] = [(1 - w) * mean + w * seconds, n + 1], 0
         else:
-            added = seconds - self.plain_time(batch) - (self.rows(rows) - self.rows(batch))
-            beyond, drafts = self._extra_sums(batch)
-            self._extra[batch] = [0.8 * beyond + added, 0.8 * drafts + rows - batch]
             self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
+        x = float(max(0, rows - batch))
+        y = seconds - (self.rows(rows) - self.rows(batch) if x else 0.0)
+        fit = [FIT_DECAY * v for v in self._fit.get(batch, (0.0,) * 5)]
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            fit[i] += v
+        self._fit[batch] = fit
 
     def wants_plain(self, batch: int) -> bool:
         """Whether the next step of `batch` requests should be plain, to measure plain(B) at

@@ -15,6 +15,7 @@ Per-request state lives in `self.states`, from a request's first step until `fre
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -48,6 +49,7 @@ class SpecDecoder:
         self._interval: tuple[float, int, bool, bool] | None = None  # from propose to propose
         self._busy = 0.0  # seconds inside engine steps so far: the clock of _interval
         self._step: tuple[bool, int, int] = (False, 0, 0)  # decode only, requests, tokens emitted
+        self._slowdown = 1.0  # the next step's predicted time in plain steps (SpecPolicy.slowdown)
         self.log = SpecLog()  # acceptance every few seconds while drafting
         self.grammars: Grammars | None = None  # set by the engine at the first structured request
         self._trees: tuple[SchedulerOutput, list[DraftTree]] | None = None  # this step's, see _scheduled_trees
@@ -122,7 +124,10 @@ class SpecDecoder:
                 if req.params.structured is not None:
                     self._state(req).grammar.consume(tokens)
                 self._learn(req, tree, path, len(sched))
+                if self.policy.adaptive:
+                    self.policy.advance(self._state(req), len(tokens), self._slowdown)
             self._logprobs(reqs, live, trees, verdict.accepted, step, results)
+        self._slowdown = 1.0
         self._step = (sched.decode_only, len(sched), sum(len(r[0]) for r in results if r is not None))
         if self.proposer is not None and self.proposer.needs_hidden:
             self._show_features(sched, step, live, verdict.accepted if verdict else [])
@@ -296,19 +301,28 @@ class SpecDecoder:
         return trees
 
     def _select(self, eligible, states, trees, batch: int) -> None:
-        cands, values, probe, where = [], [], [], []
+        cands, values, probe, where, idle_ahead = [], [], [], [], math.inf
         for (req, room), state, tree in zip(eligible, states, trees):
             if tree is not None and state.grammar is not None:
                 tree, state.masks, state.chain_nodes = cut(tree, state.grammar, state.chain_nodes)
             if tree is None or not len(tree):
                 state.tree, state.chain_nodes, state.masks = None, [], None
+                idle_ahead = min(idle_ahead, state.ahead)
                 continue
             state.unverified += 1
             cands.append(tree)
             values.append(self.policy.values(state, tree) if self.policy.adaptive else None)
             probe.append((state.drafted and not state.gate.on) or state.unverified >= state.probe_every)
             where.append((req, room, state))
-        keep = self.policy.select(batch, cands, values, probe, self.max_rows)
+        # requests without drafts: those eligible but idle, and prefills (at most a fraction
+        # of one step later to their first token), whose lead counts as none
+        if len(eligible) < batch:
+            idle_ahead = 0.0
+        keep = self.policy.select(batch, cands, values, probe, self.max_rows,
+                                  [s.ahead for _, _, s in where], 0.0 if idle_ahead == math.inf else idle_ahead)
+        if self.policy.adaptive:
+            rows = sum(min(len(nodes), room) for (_, room, _), nodes in zip(where, keep))
+            self._slowdown = self.policy.slowdown(batch, batch + rows)
         for (req, room, state), tree, nodes in zip(where, cands, keep):
             # depth first, first choices first (parents first: a prefix is still a tree); the
             # kept nodes of a depth-first tree already are, taken in index order

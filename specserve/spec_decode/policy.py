@@ -8,7 +8,8 @@ nodes emits B + (their expected accepted count) in t(B, B + n). Invariants:
     and from `Rates` by depth for lookup nodes; a child is never worth more than its parent, so
     the most valuable nodes always form trees;
   * `select` verifies the count of best nodes that maximises the step's rate, none unless that
-    beats plain by `MARGIN`, and no request advances slower than in a plain step (`FAIRNESS`);
+    beats plain by `MARGIN`, and no request advances slower than in a plain step (`FAIRNESS`)
+    beyond the lead over plain decoding it gained before (`RequestState.ahead`, `AHEAD_MAX`);
   * `draft_pays`: a proposer with a cost per request drafts for it only while its expected
     accepted tokens pay for its share of drafting and its rows, else after doubling waits;
   * `min_score`: nodes that cannot pay the cheapest row are neither expanded nor returned.
@@ -29,6 +30,7 @@ from specserve.spec_decode.draft_tree import DraftTree
 MARGIN = 0.10  # speculate only when the predicted step rate beats plain by this much (the
 # prediction errs by about this much under load: contexts drift, acceptance is an estimate)
 FAIRNESS = 0.05  # how much slower than in a plain step a request may advance in a step with drafts
+AHEAD_MAX = 8.0  # tokens of its lead over plain decoding a request may give back to others' drafts
 PROBE_FIRST, PROBE_MAX = 8, 128  # steps between probes of a gated-off request (doubling)
 SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0001])
 _EDGES = SCORE_BINS.tolist()  # for bisect, per verified node
@@ -96,6 +98,7 @@ class RequestState:
     probe_every: int = PROBE_FIRST  # verify its best node anyway after this many such steps
     grammar: object | None = None  # structured.Matcher, for requests with structured output
     masks: object | None = None  # its bit masks of the root and of `tree`'s nodes (int32 [1 + n, words])
+    ahead: float = 0.0  # expected tokens it is ahead of plain decoding (<= AHEAD_MAX), see select
 
 
 class SpecPolicy:
@@ -164,20 +167,24 @@ class SpecPolicy:
         return v
 
     def select(self, batch: int, trees: list[DraftTree], values: list[np.ndarray],
-               probes: list[bool], max_rows: int) -> list[list[int]]:
+               probes: list[bool], max_rows: int, ahead: list[float] | None = None,
+               idle_ahead: float = 0.0) -> list[list[int]]:
         """Nodes to verify per tree (parents first), maximising the step's expected rate with
-        no request advancing slower than in a plain step. `trees` are those of the requests
-        with drafts; the other batch - len(trees) requests have none."""
+        no request falling behind plain decoding. `trees` are those of the requests with
+        drafts, `ahead` their leads over plain decoding in tokens; the other batch - len(trees)
+        requests have none, and the least lead among them is `idle_ahead`."""
         if not self.adaptive:
             return [list(range(len(t))) for t in trees]
         keep: list[list[int]] = [[] for _ in trees]
+        ahead = np.zeros(len(trees)) if ahead is None else np.asarray(ahead, dtype=np.float64)
+        idle = 1.0 + idle_ahead if len(trees) < batch else math.inf  # what the idle ones allow
         plain = self.cost.step_time(batch, batch)
         limit, rows = plain / (1 - FAIRNESS), 0  # what probes may bring the step to
         beat = batch / plain * (1 + MARGIN)  # the rate a selection must exceed
         nodes = []
         # a request without drafts advances one token either way: the step may cost no more
-        # than a plain one, FAIRNESS aside (see _worst_served)
-        if self._may_pay(batch, values, max_rows, beat, limit if len(trees) < batch else math.inf):
+        # than a plain one, FAIRNESS and its lead aside (see _worst_served)
+        if self._may_pay(batch, values, max_rows, beat, limit * idle):
             nodes = sorted((-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
                            for i, d in enumerate(t.depth))[:max(0, max_rows - batch)]
         if nodes:
@@ -185,7 +192,7 @@ class SpecPolicy:
             n_rows = batch + np.arange(1, len(nodes) + 1)
             times = self.cost.step_times(batch, n_rows)
             rates = gained / times
-            worst = self._worst_served(nodes, len(trees), batch)
+            worst = np.minimum(self._worst_served(nodes, ahead), idle)
             rates[worst < times / plain * (1 - FAIRNESS)] = 0.0
             best = int(np.argmax(rates))
             if rates[best] > beat:
@@ -219,14 +226,25 @@ class SpecPolicy:
         return False
 
     @staticmethod
-    def _worst_served(nodes: list[tuple], num_trees: int, batch: int) -> np.ndarray:
-        """[n] the least expected tokens of any request of the batch after the first n nodes."""
-        if num_trees < batch:
-            return np.ones(len(nodes))
+    def _worst_served(nodes: list[tuple], ahead: np.ndarray) -> np.ndarray:
+        """[n] the least of 1 + lead + expected accepted tokens over the requests with drafts,
+        after the first n nodes (in plain steps: each request's advance in this one, plus what
+        it may give back)."""
         owner = np.array([n[2] for n in nodes])
-        gains = np.zeros((len(nodes), num_trees))
+        gains = np.zeros((len(nodes), len(ahead)))
         gains[np.arange(len(nodes)), owner] = [-n[0] for n in nodes]
-        return 1.0 + np.cumsum(gains, axis=0).min(axis=1)
+        return (1.0 + ahead + np.cumsum(gains, axis=0)).min(axis=1)
+
+    def slowdown(self, batch: int, rows: int) -> float:
+        """A step of `batch` requests verifying `rows` rows in plain steps of that batch."""
+        return self.cost.step_time(batch, rows) / self.cost.step_time(batch, batch) if rows > batch else 1.0
+
+    @staticmethod
+    def advance(state: RequestState, emitted: int, slowdown: float) -> None:
+        """A verified step: `emitted` tokens in `slowdown` plain steps' time (the step's
+        prediction), into the request's lead over plain decoding. A request that fell behind
+        starts again from none (it is then served as every request is in its first step)."""
+        state.ahead = min(AHEAD_MAX, max(0.0, state.ahead + emitted - slowdown))
 
     # -- learning --------------------------------------------------------------------------------
     def refused(self, state: RequestState, batch: int) -> None:
