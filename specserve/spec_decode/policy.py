@@ -242,9 +242,11 @@ class SpecPolicy:
     @staticmethod
     def advance(state: RequestState, emitted: int, slowdown: float) -> None:
         """A verified step: `emitted` tokens in `slowdown` plain steps' time (the step's
-        prediction), into the request's lead over plain decoding. A request that fell behind
-        starts again from none (it is then served as every request is in its first step)."""
-        state.ahead = min(AHEAD_MAX, max(0.0, state.ahead + emitted - slowdown))
+        prediction), into the request's lead over (1 - FAIRNESS) x plain decoding's pace: a
+        plain step adds FAIRNESS, so the 5% a request may be slowed by is a budget over its
+        life rather than a cap on every step. A request that fell behind starts again from
+        none (it is then served as every request is in its first step)."""
+        state.ahead = min(AHEAD_MAX, max(0.0, state.ahead + emitted - (1 - FAIRNESS) * slowdown))
 
     # -- learning --------------------------------------------------------------------------------
     def refused(self, state: RequestState, batch: int) -> None:
