@@ -50,7 +50,7 @@ def server_path() -> Path:
     return cache_root() / "llama.cpp" / "llama-server"
 
 
-def build(requirement: str = LLAMA_CPP_PYTHON) -> Path:
+def build(requirement: str = LLAMA_CPP_PYTHON, cmake_args: tuple[str, ...] = ()) -> Path:
     """Download `requirement`'s source package, build llama-server from its vendor/llama.cpp."""
     dest = server_path()
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +65,8 @@ def build(requirement: str = LLAMA_CPP_PYTHON) -> Path:
         print(f"configuring {src.relative_to(tmp)} ...", flush=True)
         subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                         "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"],
+                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+                        *cmake_args],
                        check=True, stdout=subprocess.DEVNULL)
         print(f"building llama-server on {os.cpu_count()} cores (several minutes) ...", flush=True)
         subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server",
@@ -164,7 +165,7 @@ def engines(args: argparse.Namespace, gguf: Path, binary: Path) -> list[tuple[st
 
 def run(args: argparse.Namespace) -> int:
     if args.build:
-        build()
+        build(cmake_args=tuple(args.cmake_arg))
         return 0
     binary = Path(args.llama_server) if args.llama_server else server_path()
     if not binary.is_file():
@@ -223,6 +224,9 @@ def plot(summary: dict, levels: list[int], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--build", action="store_true", help="build llama-server (PyPI source, cmake) and exit")
+    p.add_argument("--cmake-arg", action="append", default=[],
+                   help="with --build: an extra cmake option (repeatable), e.g. -DGGML_NATIVE=OFF "
+                        "-DGGML_AVX512=ON where the native build does not run")
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: the built one)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", help="specserve's --dtype")
