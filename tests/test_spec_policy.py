@@ -117,8 +117,8 @@ def test_a_request_ahead_of_plain_decoding_may_give_some_of_its_lead_back():
     assert keep[0] and keep[1]
     slowdown = policy.slowdown(16, 16 + sum(map(len, keep)))
     assert slowdown > 1 / (1 - FAIRNESS)  # past what a request without a lead may pay
-    for b, nodes in enumerate(keep):  # nobody is left behind plain decoding
-        assert 1 + ahead[b] + values[b][nodes].sum() >= slowdown * (1 - FAIRNESS)
+    served = [1 + ahead[b] + values[b][nodes].sum() for b, nodes in enumerate(keep)]
+    assert len(served) == 16 and min(served) >= slowdown * (1 - FAIRNESS)  # nobody falls behind plain
     state = policy.new_state()
     policy.advance(state, 5, 1.5)  # 5 tokens in 1.5 plain steps: 5 - 0.95 x 1.5 ahead
     assert state.ahead == pytest.approx(5 - (1 - FAIRNESS) * 1.5)
