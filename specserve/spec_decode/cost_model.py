@@ -94,6 +94,7 @@ class StepCostModel:
         self.per_request = max(0.0, per_request)
         self._plain: dict[int, list[float]] = {b: [t, 1] for b, t in (plain or {}).items() if b > 1}
         self._fit: dict[int, list[float]] = {}  # batch -> decayed sums [w, x, y, xx, xy] (see observe)
+        self._extra: dict[int, float] = {}  # extra(B) as last computed: read many times per step, fitted once
         self._since_plain: dict[int, int] = {}  # batch -> its steps with drafts since its last plain one
 
     def plain_time(self, batch: int) -> float:
@@ -115,9 +116,12 @@ class StepCostModel:
         nearest other batch size's slope (or none) until its steps spread over enough rows."""
         if batch == 1 or not self._fit:
             return 0.0
-        others = [b for b in self._fit if b != batch]
-        prior = self._slope(min(others, key=lambda b: (abs(b - batch), -b)), 0.0) if others else 0.0
-        return self._slope(batch, prior) if batch in self._fit else prior
+        found = self._extra.get(batch)
+        if found is None:
+            others = [b for b in self._fit if b != batch]
+            prior = self._slope(min(others, key=lambda b: (abs(b - batch), -b)), 0.0) if others else 0.0
+            found = self._extra[batch] = self._slope(batch, prior) if batch in self._fit else prior
+        return found
 
     def _slope(self, batch: int, prior: float) -> float:
         w, x, y, xx, xy = self._fit[batch]
@@ -160,6 +164,7 @@ class StepCostModel:
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             fit[i] += v
         self._fit[batch] = fit
+        self._extra.clear()  # (every batch size's prior may have moved)
 
     def wants_plain(self, batch: int) -> bool:
         """Whether the next step of `batch` requests should be plain, to measure plain(B) at

@@ -124,8 +124,6 @@ class SpecDecoder:
                 if req.params.structured is not None:
                     self._state(req).grammar.consume(tokens)
                 self._learn(req, tree, path, len(sched))
-                if self.policy.adaptive:
-                    self.policy.advance(self._state(req), len(tokens), self._slowdown)
             self._logprobs(reqs, live, trees, verdict.accepted, step, results)
         self._slowdown = 1.0
         self._step = (sched.decode_only, len(sched), sum(len(r[0]) for r in results if r is not None))
@@ -165,6 +163,8 @@ class SpecDecoder:
         if not self.max_drafts:  # not speculating
             return
         state = self._state(req)
+        if self.policy.adaptive:  # its lead over plain decoding: the path, the bonus token, the step's time
+            self.policy.advance(state, len(path) + 1, self._slowdown)
         if state.drafted and not len(tree):  # drafted, but none of it was worth verifying: no gain
             self.policy.refused(state, batch)
         if len(tree):
