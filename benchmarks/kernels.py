@@ -1,23 +1,30 @@
-"""Benchmark specserve's Triton attention kernels against PyTorch baselines (CUDA only).
+"""Benchmark specserve's Triton attention kernels against PyTorch baselines.
 
 * decode:  paged_attention (one query per request, paged cache) vs
            torch SDPA (flash backend) on the gathered contiguous cache.
 * tree:    tree_attention (n draft nodes per request, packed bitmask) vs
-           flex_attention with a block mask and vs SDPA with a dense bool mask.
+           flex_attention (compiled, block mask built once per case) and vs SDPA with a
+           dense bool mask, at the same masks.
 
-Reported bandwidth = bytes of K/V read (B * context * Hkv * D * 2 * elem) / time,
-also as a fraction of --peak-gbps (H100 SXM HBM3: 3350 GB/s).  Baselines read a
-contiguous copy of the cache that is built outside the timed region (if the
-flash backend lacks native GQA, "sdpa_flash_x" runs on K/V expanded to Hq heads;
-its bandwidth still counts only the Hkv bytes).
+Reported bandwidth = bytes of K/V read (B * context * Hkv * D * 2 * elem) / time, and its share
+of the device's peak memory bandwidth: --peak-gbps, else looked up by device name (H100 SXM
+3350 GB/s, H200 4800, ...; unknown devices get no share).  Baselines read a contiguous copy of
+the cache that is built outside the timed region (if the flash backend lacks native GQA,
+"sdpa_flash_x" runs on K/V expanded to Hq heads; its bandwidth still counts only the Hkv
+bytes).  A summary table ends the run: each case's time and ours against SDPA and flex
+("vs" = baseline time / our time; > 1 means ours is faster), or why a baseline could not run.
 
-    python benchmarks/kernels.py --out bench_out            # full sweep
+    python benchmarks/kernels.py --out bench_out            # full sweep (CUDA)
     python benchmarks/kernels.py --contexts 1024 --batches 1 --tree-sizes 8
+    python benchmarks/kernels.py --device cpu --contexts 300 --batches 1 --tree-sizes 8 \
+        --num-q-heads 4 --num-kv-heads 2 --head-dim 64 --skip flex   # smoke run, interpreter
 """
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -36,10 +43,32 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    p.add_argument("--peak-gbps", type=float, default=3350.0, help="peak memory bandwidth in GB/s")
+    p.add_argument("--peak-gbps", type=float, default=None,
+                   help="peak memory bandwidth in GB/s (default: by device name, see PEAK_GBPS)")
     p.add_argument("--skip", default="", help="comma-separated impls to skip: sdpa,flex,sdpa_mask")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: a smoke run, the Triton kernels interpreted (TRITON_INTERPRET=1)")
     p.add_argument("--out", default="benchmarks/out", help="directory for kernels.json / kernels.png")
     return p.parse_args(argv)
+
+
+# Peak memory bandwidth (GB/s) by device-name substring, most specific first.
+PEAK_GBPS = [("H200", 4800.0), ("GH200", 4000.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0),
+             ("H100", 3350.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
+             ("L40S", 864.0), ("L4", 300.0)]
+
+
+def device_peak_gbps(name: str):
+    for key, gbps in PEAK_GBPS:
+        if key in name:
+            return gbps
+    return None
+
+
+def first_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first non-empty line of its message."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def make_case(B, ctx, n_q, args, dtype, dev):
@@ -66,51 +95,73 @@ def random_tree(n, gen):
     return torch.tensor(parents, dtype=torch.long)
 
 
+def flex_runner(args, dev):
+    """flex_attention compiled once (static shapes; one compile per shape and mask), or the
+    reason it cannot be. Returns (fn, None) or (None, reason)."""
+    try:
+        from torch._dynamo import config as dynamo_config  # not `import torch._dynamo`: that
+        from torch.nn.attention.flex_attention import flex_attention  # would make `torch` local
+
+        for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(dynamo_config, knob):
+                setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), 512))
+        return torch.compile(flex_attention, dynamic=False), None
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        return None, f"flex_attention unavailable: {first_line(e)}"
+
+
 def run(args):
-    import triton.testing
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from specserve.kernels import paged_attention_triton, tree_attention_triton
     from specserve.kernels.triton.tree_attention import num_mask_words, tree_ancestors, tree_mask_from_parents
 
-    dev = "cuda"
+    dev = args.device
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    if dev == "cpu":
+        dtype = torch.float32  # the interpreter's dot wants float32 or float16 inputs
     skip = set(args.skip.split(","))
     elem = torch.finfo(dtype).bits // 8
-    flex = create_block_mask = None
-    if "flex" not in skip:
-        try:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-            from torch._dynamo import config as dynamo_config  # not `import torch._dynamo`:
-            # that would make `torch` a local name of run() and break its earlier uses
+    peak = args.peak_gbps
+    flex, flex_reason = (None, "skipped (--skip flex)") if "flex" in skip else flex_runner(args, dev)
+    if flex_reason and "flex" not in skip:
+        print(f"[warn] {flex_reason}", file=sys.stderr)
+    rows, notes = [], {}  # notes[(kind, impl, B, ctx, n)] = why it has no figure
 
-            for knob in ("cache_size_limit", "recompile_limit"):  # one compile per shape / mask
-                if hasattr(dynamo_config, knob):
-                    setattr(dynamo_config, knob, 256)
-            flex = torch.compile(flex_attention, dynamic=False)
-        except Exception as e:  # pragma: no cover - depends on torch build
-            print(f"[warn] flex_attention unavailable: {e}", file=sys.stderr)
-    rows = []
+    def timed(fn):
+        if dev == "cuda":
+            import triton.testing
+
+            return triton.testing.do_bench(fn, warmup=25, rep=100)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
 
     def bench(kind, impl, B, ctx, n_q, fn, ref=None):
         try:
             out = fn()
             err = float((out.float() - ref.float()).abs().max()) if ref is not None else 0.0
-            ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+            ms = timed(fn)
         except Exception as e:  # keep the sweep going; record why
-            print(f"[warn] {kind}/{impl} B={B} ctx={ctx} n={n_q}: {type(e).__name__}: {e}", file=sys.stderr)
+            notes[(kind, impl, B, ctx, n_q)] = first_line(e)
+            print(f"[warn] {kind}/{impl} B={B} ctx={ctx} n={n_q}: {first_line(e)}", file=sys.stderr)
             return None
         gbytes = B * ctx * args.num_kv_heads * args.head_dim * 2 * elem / 1e9
         gbps = gbytes / (ms / 1e3)
         row = dict(kind=kind, impl=impl, batch=B, context=ctx, q_per_seq=n_q, ms=ms, gbps=gbps,
-                   peak_frac=gbps / args.peak_gbps, max_abs_err=err)
+                   peak_frac=gbps / peak if peak else None, max_abs_err=err)
         rows.append(row)
-        print(f"{kind:7s} {impl:10s} {B:5d} {ctx:7d} {n_q:4d} {ms * 1e3:10.1f} {gbps:9.1f} "
-              f"{100 * gbps / args.peak_gbps:6.1f}% {err:9.2e}", flush=True)
+        share = f"{100 * gbps / peak:6.1f}%" if peak else f"{'n/a':>7s}"
+        print(f"{kind:7s} {impl:12s} {B:5d} {ctx:7d} {n_q:4d} {ms * 1e3:10.1f} {gbps:9.1f} {share} {err:9.2e}",
+              flush=True)
         return out
 
-    print(f"{'kind':7s} {'impl':10s} {'batch':>5s} {'context':>7s} {'nq':>4s} {'us':>10s} {'GB/s':>9s} "
+    print(f"{'kind':7s} {'impl':12s} {'batch':>5s} {'context':>7s} {'nq':>4s} {'us':>10s} {'GB/s':>9s} "
           f"{'%peak':>7s} {'max_err':>9s}")
     gen = torch.Generator().manual_seed(0)
     for ctx in args.contexts:
@@ -147,15 +198,7 @@ def run(args):
                             lambda: tree_attention_triton(**paged, tree_mask=tmask, max_query_len=n))
                 ref = tri.view(Bt, n, -1, args.head_dim).transpose(1, 2) if tri is not None else None
                 if flex is not None:
-                    def mask_mod(b, h, q_idx, kv_idx):
-                        node = (kv_idx - prefix).clamp(min=0)
-                        return (kv_idx < prefix) | anc[b, q_idx, node]
-                    try:
-                        bm = create_block_mask(mask_mod, Bt, None, n, ctx, device=dev)
-                        bench("tree", "flex", Bt, ctx, n,
-                              lambda: flex(qd, k, v, block_mask=bm, scale=paged["scale"], enable_gqa=True), ref)
-                    except Exception as e:  # pragma: no cover
-                        print(f"[warn] flex block mask: {type(e).__name__}: {e}", file=sys.stderr)
+                    bench_flex(bench, notes, flex, Bt, ctx, n, prefix, anc, qd, k, v, paged["scale"], ref, args, dev)
                 if "sdpa_mask" not in skip:
                     dense = torch.ones(Bt, 1, n, ctx, dtype=torch.bool, device=dev)
                     dense[:, 0, :, prefix:] = anc
@@ -163,9 +206,84 @@ def run(args):
                           lambda: F.scaled_dot_product_attention(qd, k, v, attn_mask=dense, scale=paged["scale"],
                                                                  enable_gqa=True), ref)
                     dense = None
-                paged = qd = k = v = tri = ref = None  # free before the next case
-                torch.cuda.empty_cache()
-    return rows
+                paged = qd = k = v = tri = ref = anc = None  # free before the next case
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+    summary = summarise(rows, notes, args, flex_reason)
+    return rows, summary
+
+
+def bench_flex(bench, notes, flex, Bt, ctx, n, prefix, anc, qd, k, v, scale, ref, args, dev):
+    """flex_attention at the tree masks, trying the variants a torch build may need in turn:
+    the default dispatch (for fewer than 128 queries: its decoding kernel), then its main kernel
+    (FORCE_USE_FLEX_ATTENTION), then K/V expanded to Hq heads (no GQA). The first that runs is
+    timed as "flex"; if none runs, notes says why each failed."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    anc_flat = anc.reshape(Bt, n * n)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        # prefix always visible; node j visible iff it is q_idx's ancestor (or q_idx itself)
+        node = (kv_idx - prefix).clamp(min=0, max=n - 1)
+        return (kv_idx < prefix) | anc_flat[b, q_idx.clamp(max=n - 1) * n + node]
+
+    try:
+        bm = create_block_mask(mask_mod, Bt, None, n, ctx, device=dev)
+    except Exception as e:
+        notes[("tree", "flex", Bt, ctx, n)] = f"block mask: {first_line(e)}"
+        print(f"[warn] flex block mask: {first_line(e)}", file=sys.stderr)
+        return
+    g = args.num_q_heads // args.num_kv_heads
+    variants = [
+        ("default", lambda: flex(qd, k, v, block_mask=bm, scale=scale, enable_gqa=True)),
+        ("FORCE_USE_FLEX_ATTENTION", lambda: flex(qd, k, v, block_mask=bm, scale=scale, enable_gqa=True,
+                                                  kernel_options={"FORCE_USE_FLEX_ATTENTION": True})),
+    ]
+    if g > 1:
+        kx, vx = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # outside the timed region
+        variants.append(("K/V expanded, no GQA", lambda: flex(qd, kx, vx, block_mask=bm, scale=scale)))
+    failures = []
+    for name, fn in variants:
+        try:
+            fn()  # compile outside bench(), so a failure names the variant
+        except Exception as e:
+            failures.append(f"{name}: {first_line(e)}")
+            print(f"[warn] flex ({name}) B={Bt} ctx={ctx} n={n}: {first_line(e)}", file=sys.stderr)
+            continue
+        if bench("tree", "flex", Bt, ctx, n, fn, ref) is not None:
+            notes.pop(("tree", "flex", Bt, ctx, n), None)
+            if failures:
+                notes[("tree", "flex", Bt, ctx, n)] = f"ran as {name} after: " + "; ".join(failures)
+            return
+        failures.append(f"{name}: {notes.get(('tree', 'flex', Bt, ctx, n), 'failed')}")
+    notes[("tree", "flex", Bt, ctx, n)] = "; ".join(failures)
+
+
+def summarise(rows, notes, args, flex_reason):
+    """One line per case: our time, and ours against SDPA and flex (baseline time / ours), or
+    why a baseline has no figure."""
+    ms = {(r["kind"], r["impl"], r["batch"], r["context"], r["q_per_seq"]): r["ms"] for r in rows}
+    cases = sorted({(r["kind"], r["batch"], r["context"], r["q_per_seq"]) for r in rows if r["impl"] == "triton"},
+                   key=lambda c: (c[0], c[2], c[1], c[3]))
+    out = []
+    print(f"\n{'kind':7s} {'batch':>5s} {'context':>7s} {'nq':>4s} {'ours us':>9s} {'vs sdpa':>8s} {'vs flex':>8s}")
+    for kind, B, ctx, n in cases:
+        ours = ms[(kind, "triton", B, ctx, n)]
+        sdpa_impls = ("sdpa_flash", "sdpa_flash_x") if kind == "decode" else ("sdpa_mask",)
+        sdpa = next((ms[(kind, i, B, ctx, n)] for i in sdpa_impls if (kind, i, B, ctx, n) in ms), None)
+        flex = ms.get((kind, "flex", B, ctx, n))
+        if kind == "decode":
+            flex_why = "not measured"
+        else:
+            flex_why = notes.get((kind, "flex", B, ctx, n)) or flex_reason or "not measured"
+        row = dict(kind=kind, batch=B, context=ctx, q_per_seq=n, ours_ms=ours,
+                   vs_sdpa=sdpa / ours if sdpa else None, vs_flex=flex / ours if flex else None,
+                   flex_note=None if flex else flex_why)
+        out.append(row)
+        fmt = lambda x: f"{x:7.2f}x" if x is not None else f"{'-':>8s}"  # noqa: E731
+        print(f"{kind:7s} {B:5d} {ctx:7d} {n:4d} {ours * 1e3:9.1f} {fmt(row['vs_sdpa'])} {fmt(row['vs_flex'])}"
+              + (f"  flex: {flex_why}" if flex is None and kind == "tree" else ""))
+    return out
 
 
 def plot(rows, path, peak):
@@ -183,13 +301,13 @@ def plot(rows, path, peak):
         sel = [r for r in rows if r["kind"] == kind]
         series = sorted({(r["impl"], r["batch"], r["q_per_seq"]) for r in sel})
         for impl, B, nq in series:
-            pts = sorted((r["context"], r["peak_frac"]) for r in sel
+            pts = sorted((r["context"], r["peak_frac"] if peak else r["gbps"]) for r in sel
                          if (r["impl"], r["batch"], r["q_per_seq"]) == (impl, B, nq))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                     label=f"{impl} B={B}" + (f" n={nq}" if kind == "tree" else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length")
-        ax.set_ylabel(f"K/V bandwidth / peak ({peak:.0f} GB/s)")
+        ax.set_ylabel(f"K/V bandwidth / peak ({peak:.0f} GB/s)" if peak else "K/V bandwidth (GB/s)")
         ax.set_title(kind)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, ncol=2)
@@ -200,23 +318,29 @@ def plot(rows, path, peak):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing to do.",
-              file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing to do "
+              "(--device cpu runs a smoke test of the kernels interpreted).", file=sys.stderr)
         return 2
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
     try:
         import triton  # noqa: F401
     except ImportError:
         print("benchmarks/kernels.py needs triton installed.", file=sys.stderr)
         return 2
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"
+    if args.peak_gbps is None and args.device == "cuda":
+        args.peak_gbps = device_peak_gbps(name)
     os.makedirs(args.out, exist_ok=True)
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  dtype {args.dtype}  "
+    peak = f"{args.peak_gbps:.0f} GB/s" if args.peak_gbps else "unknown (pass --peak-gbps)"
+    dtype = args.dtype if args.device == "cuda" else "fp32"
+    print(f"device: {name}  torch {torch.__version__}  dtype {dtype}  peak {peak}  "
           f"Hq={args.num_q_heads} Hkv={args.num_kv_heads} D={args.head_dim} block={args.block_size}")
-    rows = run(args)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, peak_gbps=args.peak_gbps,
-                args=vars(args))
+    rows, summary = run(args)
+    meta = dict(device=name, torch=torch.__version__, peak_gbps=args.peak_gbps, args=vars(args))
     with open(os.path.join(args.out, "kernels.json"), "w") as f:
-        json.dump(dict(meta=meta, results=rows), f, indent=1)
+        json.dump(dict(meta=meta, results=rows, summary=summary), f, indent=1)
     print(f"wrote {os.path.join(args.out, 'kernels.json')}")
     if rows:
         plot(rows, os.path.join(args.out, "kernels.png"), args.peak_gbps)

@@ -18,9 +18,15 @@ specserve/model/tree_mask.py, which builds every tree mask; the helpers below
 are its torch-facing names.
 
 Cache / batch layout and GQA are exactly those of ``paged_attention``; with
-``causal_tree_mask`` the result equals ``paged_attention``.  The Triton kernel is
-the paged-attention kernel compiled with ``TREE_MASK=True`` (the mask predicate
-is the only difference; see paged_attention.py for its memory traffic).
+``causal_tree_mask`` the result equals ``paged_attention``, bit for bit on the
+Triton path.  The Triton kernels are paged_attention.py's compiled with
+``TREE_MASK=True``: the mask predicate is the only difference.  A program holds
+one kv head's query heads for a block of nodes; split, one program per
+(partition, kv head, request) walks all of the request's node blocks, so each
+K/V block of the prefix is read once for the whole tree (fused, the node blocks
+of a request run as neighbouring programs that share those reads in L2).  The
+tree part is read from the packed bitmask; the fixed partitions give every node
+row the bits of the same token's decode row (see paged_attention.py).
 """
 from typing import Optional
 

@@ -1,0 +1,33 @@
+"""benchmarks/kernels.py's smoke run on the CPU (kernels interpreted, flex skipped): it runs
+end to end and its summary compares every case with SDPA and says why flex has no figure."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "kernels.py"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on CUDA run the benchmark itself")
+def test_kernel_benchmark_smoke_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_kernels", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rc = bench.main(["--device", "cpu", "--contexts", "40", "--batches", "2", "--tree-sizes", "5",
+                     "--num-q-heads", "4", "--num-kv-heads", "2", "--head-dim", "16", "--skip", "flex",
+                     "--peak-gbps", "100", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "kernels.json").read_text())
+    summary = {(r["kind"], r["batch"], r["context"], r["q_per_seq"]): r for r in report["summary"]}
+    assert set(summary) == {("decode", 2, 40, 1), ("tree", 2, 40, 5)}
+    assert all(r["vs_sdpa"] > 0 for r in summary.values())
+    assert summary[("tree", 2, 40, 5)]["flex_note"] == "skipped (--skip flex)"
+    ours = [r for r in report["results"] if r["impl"] == "triton"]
+    assert len(ours) == 2 and all(0 < r["peak_frac"] == r["gbps"] / 100 for r in ours)
+    others = [r for r in report["results"] if r["impl"] != "triton"]
+    assert others and max(r["max_abs_err"] for r in others) < 1e-4  # baselines agree with ours
+    assert bench.device_peak_gbps("NVIDIA H200") == 4800 and bench.device_peak_gbps("NVIDIA H100 80GB HBM3") == 3350
+    assert bench.device_peak_gbps("Some GPU") is None
