@@ -1,5 +1,6 @@
 """Paged attention for decode and verify rows on x86 CPUs: our AVX2/FMA kernel
-(`paged_attention.c`), float32.
+(`paged_attention.c`), float32, with its score and value passes in AVX-512 where the CPU has it
+and a measurement at start finds it faster (`pick_wide`; the same bits either way).
 
 It reads each request's keys and values in place through the block table, where the SDPA path
 first gathers every request's context into a padded batch (a copy of the whole context per
@@ -10,6 +11,8 @@ Built and loaded by specserve.kernels.cpu.cbuild; `available()` says whether it 
 from __future__ import annotations
 
 import ctypes
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +28,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr,
                                     ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention_wide.argtypes = [ctypes.c_int]
+    lib.paged_attention_wide.restype = ctypes.c_int
+    lib.paged_attention_wide(0)  # AVX2 until pick_wide measures
 
 
 _kernel = Kernel(Path(__file__).with_name("paged_attention.c"), _declare)
@@ -36,6 +42,51 @@ def available() -> bool:
 
 def why_unavailable() -> str | None:
     return _kernel.why_unavailable()
+
+
+def wide(on: bool | None = None) -> bool:
+    """Whether the score and value passes use AVX-512 (the same bits as AVX2); on: True / False
+    sets it (True only takes where the CPU has AVX-512F), None asks."""
+    global _picked
+    if on is not None:
+        _picked = True
+    return bool(_kernel.lib.paged_attention_wide(-1 if on is None else int(on)))
+
+
+_picked = False  # whether wide() was set (pick_wide, or a caller)
+
+
+def pick_wide(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Sets and returns whether the kernel runs its AVX-512 passes: where the CPU has AVX-512F
+    (and is not kept to AVX2 by ATEN_CPU_CAPABILITY, as the emulated AVX2 machine of
+    docs/benchmarks.md is), when they are faster for a model of this shape at one request
+    verifying 8 rows over 1,024 keys, side by side (best of 3 rounds). The kernel's first call
+    in a process asks (at engine start, the cost model's measurement). CPUs that split 512-bit
+    operations may gain nothing."""
+    on = (available() and head_dim % 16 == 0
+          and os.environ.get("ATEN_CPU_CAPABILITY", "").lower() not in ("avx2", "default") and wide(True))
+    return wide(on and _wide_is_faster(num_heads, num_kv_heads, head_dim))
+
+
+def _wide_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, rows: int = 8, keys: int = 1024) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    block_size, blocks = 16, (keys + rows) // 16 + 1
+    k_cache = torch.randn(blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(rows, num_heads, head_dim, generator=gen)
+    args = (q, k_cache, v_cache, torch.arange(blocks).unsqueeze(0), torch.tensor([0, rows]),
+            torch.arange(keys + 1, keys + rows + 1), torch.zeros(rows + 1, dtype=torch.int64),
+            torch.zeros(0, dtype=torch.int64), keys + rows, head_dim ** -0.5)
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(3):
+        for on in best:
+            wide(on)
+            paged_attention(*args)
+            start = time.perf_counter()
+            for _ in range(10):
+                paged_attention(*args)
+            best[on] = min(best[on], time.perf_counter() - start)
+    return best[True] < best[False]
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -60,6 +111,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lib = _kernel.lib
     assert lib is not None, _kernel.why_unavailable()
     num_tokens, num_heads, head_dim = q.shape
+    if not _picked:
+        pick_wide(num_heads, k_cache.shape[2], head_dim)
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     _, block_size, num_kv, _ = k_cache.shape

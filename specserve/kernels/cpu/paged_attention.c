@@ -14,7 +14,10 @@
  *     2. p[r][j] = exp(s[r][j] - max_j s[r]), summed over j in key order;
  *     3. out_r = (sum_j p[r][j] v_j) / sum_j p[r][j], accumulated in key order.
  * Every sum runs in an order fixed by the token's own keys, so a row's result does not depend
- * on the batch around it, on the thread that runs it or on the number of threads.
+ * on the batch around it, on the thread that runs it or on the number of threads. Passes 1 and
+ * 3 also run with AVX-512 (paged_attention_wide): the same chains and lane sums, two rows'
+ * 8-lane chains side by side in one vector for the scores, 16 lanes of D for the values, so
+ * the same bits.
  *
  * exp is a polynomial (exp_ps below): relative error ~2e-7 on the range softmax uses.
  */
@@ -47,21 +50,19 @@ static inline __m256 exp_ps(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-static inline float dot(const float *a, const float *b, int64_t vecs) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t c = 0; c < vecs; c++)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * c), _mm256_loadu_ps(b + 8 * c), acc);
-    return hsum(acc);
-}
-
 /* p[j] = exp(s[j] - max s) for j < n, in place; returns their sum (8 lanes, then the lanes). */
 static float softmax_numerators(float *s, int64_t n) {
-    float m = s[0];
-    for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
+    float m = s[0]; /* the largest score, 8 lanes at a time (a maximum is exact in any order) */
+    int64_t j = 0;
+    if (n >= 8) {
+        __m256 mx = _mm256_loadu_ps(s);
+        for (j = 8; j + 8 <= n; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+        m = hmax(mx);
+    }
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
     const __m256 mv = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
+    for (j = 0; j + 8 <= n; j += 8) {
         __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
         _mm256_storeu_ps(s + j, p);
         sum = _mm256_add_ps(sum, p);
@@ -77,55 +78,191 @@ static float softmax_numerators(float *s, int64_t n) {
     return hsum(sum);
 }
 
+/* [hsum(a[0]), ..., hsum(a[7])]: eight vectors' lanes summed at once, in hsum's order (halves,
+ * then pairs, then the last two), so every score has the bits hsum would give it. */
+static inline __m256 hsum8(const __m256 *a) {
+    __m256 s[4];
+    for (int i = 0; i < 4; i++) /* [lo + hi of a[2i] | lo + hi of a[2i + 1]] */
+        s[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    /* per key (b0 + b2, b1 + b3), keys 0 2 | 1 3 and 4 6 | 5 7 */
+    const __m256 w = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 e = _mm256_add_ps(_mm256_shuffle_ps(w, z, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(w, z, _MM_SHUFFLE(3, 1, 3, 1))); /* keys 0 2 4 6 | 1 3 5 7 */
+    return _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Scores of rows 0 .. R - 1 (row r: query row qrows[r]) against the nk <= 8 keys k[0 .. nk - 1],
+ * to s[r * stride + i]: each an FMA chain over D in 8 lanes (eight chains in flight), lanes
+ * summed as hsum does. */
+static inline void score_keys(const float *const *qrows, int64_t R, const float *const *k, int64_t nk,
+                              int64_t vecs, float scale, float *s, int64_t stride) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t r = 0; r < R; r++) {
+        const float *q = qrows[r];
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (int64_t v = 0; v < vecs; v++) {
+            const __m256 qv = _mm256_loadu_ps(q + 8 * v);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + 8 * v), a[i]);
+        }
+        const __m256 out = _mm256_mul_ps(hsum8(a), sc);
+        if (nk == 8) {
+            _mm256_storeu_ps(s + r * stride, out);
+        } else {
+            float buf[8];
+            _mm256_storeu_ps(buf, out);
+            memcpy(s + r * stride, buf, sizeof(float) * (size_t)nk);
+        }
+    }
+}
+
+/* The value pass at two widths (attention_values.h): AVX2, and AVX-512 where the CPU has it and
+ * it is chosen (use_avx512); the same bits either way. */
+static int use_avx512 = -1; /* -1: not decided yet */
+
+#define VP_ATTR
+#define VP_VEC __m256
+#define VP_LANES 8
+#define VP_ZERO() _mm256_setzero_ps()
+#define VP_BCAST(x) _mm256_broadcast_ss(x)
+#define VP_LOAD(x) _mm256_loadu_ps(x)
+#define VP_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VP_STORE(x, v) _mm256_storeu_ps(x, v)
+#define VP_ROWS 2
+#define VP_SUMS value_sums8
+#define VP_NAME value_pass8
+#include "attention_values.h"
+#undef VP_ATTR
+#undef VP_VEC
+#undef VP_LANES
+#undef VP_ZERO
+#undef VP_BCAST
+#undef VP_LOAD
+#undef VP_FMA
+#undef VP_STORE
+#undef VP_ROWS
+#undef VP_SUMS
+#undef VP_NAME
+
+#define VP_ATTR __attribute__((target("avx512f")))
+#define VP_VEC __m512
+#define VP_LANES 16
+#define VP_ZERO() _mm512_setzero_ps()
+#define VP_BCAST(x) _mm512_set1_ps(*(x))
+#define VP_LOAD(x) _mm512_loadu_ps(x)
+#define VP_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VP_STORE(x, v) _mm512_storeu_ps(x, v)
+#define VP_ROWS 4
+#define VP_SUMS value_sums16
+#define VP_NAME value_pass16
+#include "attention_values.h"
+
+/* Whether the value pass runs with AVX-512: on = -1 asks (the CPU's answer at first use), 0 / 1
+ * set it (off always works; on only where the CPU has AVX-512F). */
+int paged_attention_wide(int on) {
+    if (on == 0)
+        use_avx512 = 0;
+    else if (on > 0 || use_avx512 < 0)
+        use_avx512 = __builtin_cpu_supports("avx512f") != 0;
+    return use_avx512;
+}
+
+/* The scores of rows 0 .. R - 1 against the shared keys 0 .. shared - 1 with AVX-512: two rows
+ * in one vector (row 2i's 8 lanes low, row 2i + 1's high, packed once into `pairs`, (R + 1) / 2
+ * * 2D floats), each key's 8 lanes loaded once for both halves; the chains and the lane sums
+ * are score_keys', so are the bits. */
+__attribute__((target("avx512f"))) static void score_shared16(
+        const float *const *qrows, int64_t R, const float *k_cache, const int64_t *slots, int64_t shared,
+        int64_t vecs, float scale, float *scores, int64_t max_keys, float *pairs) {
+    const int64_t P = (R + 1) / 2;
+    for (int64_t i = 0; i < P; i++) {
+        const float *qa = qrows[2 * i], *qb = qrows[2 * i + 1 < R ? 2 * i + 1 : 2 * i];
+        for (int64_t v = 0; v < vecs; v++) {
+            memcpy(pairs + (i * vecs + v) * 16, qa + 8 * v, 8 * sizeof(float));
+            memcpy(pairs + (i * vecs + v) * 16 + 8, qb + 8 * v, 8 * sizeof(float));
+        }
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t j = 0; j < shared; j += 8) {
+        const int64_t nk = shared - j < 8 ? shared - j : 8;
+        const float *k[8];
+        for (int64_t i = 0; i < 8; i++) k[i] = k_cache + slots[j + (i < nk ? i : 0)];
+        for (int64_t i = 0; i < P; i++) {
+            const float *qq = pairs + i * vecs * 16;
+            __m512 a[8];
+            for (int c = 0; c < 8; c++) a[c] = _mm512_setzero_ps();
+            for (int64_t v = 0; v < vecs; v++) {
+                const __m512 qv = _mm512_loadu_ps(qq + 16 * v);
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++)
+                    a[c] = _mm512_fmadd_ps(qv, _mm512_castpd_ps(_mm512_broadcast_f64x4(
+                                                   _mm256_castps_pd(_mm256_loadu_ps(k[c] + 8 * v)))), a[c]);
+            }
+            __m256 lo[8], hi[8];
+            for (int c = 0; c < 8; c++) {
+                lo[c] = _mm512_castps512_ps256(a[c]);
+                hi[c] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[c]), 1));
+            }
+            float out[16];
+            _mm256_storeu_ps(out, _mm256_mul_ps(hsum8(lo), sc));
+            _mm256_storeu_ps(out + 8, _mm256_mul_ps(hsum8(hi), sc));
+            memcpy(scores + 2 * i * max_keys + j, out, sizeof(float) * (size_t)nk);
+            if (2 * i + 1 < R) memcpy(scores + (2 * i + 1) * max_keys + j, out + 8, sizeof(float) * (size_t)nk);
+        }
+    }
+}
+
 /* One request's rows t0 .. t1 - 1 and KV head h, each with its G query heads. The keys every
  * row sees (positions below `shared`) are read once for all of them; each row's own further
  * keys after. Row (t, g) has n_t = dense[t] + extras keys, indexed j in position-list order,
- * and every sum over them runs in that order, so its bits do not depend on the other rows. */
+ * and every sum over them runs in that order, so its bits do not depend on the other rows.
+ * Scores take 8 keys at a time (8 chains in flight, their lanes summed together); value sums
+ * take 3 rows at a time over 4 vectors of D (each value vector loaded once for the 3). */
 static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t q_stride, int64_t Hq, int64_t Hkv,
                      int64_t D, const float *k_cache, const float *v_cache, int64_t block_size,
                      const int64_t *table, const int64_t *dense, const int64_t *extra_ptr,
                      const int64_t *extra_pos, int64_t max_keys, float scale, float *out,
-                     float *scores, float *acc, int64_t *slots) {
+                     float *scores, float *acc, int64_t *slots, float *pairs) {
     const int64_t G = Hq / Hkv, vecs = D / 8, R = (t1 - t0) * G;
     int64_t shared = dense[t0];
     for (int64_t t = t0 + 1; t < t1; t++) shared = dense[t] < shared ? dense[t] : shared;
+    /* slots[0 .. shared - 1]: the shared keys; then, per token, the slots of its own keys */
+    int64_t own_at[MAX_ROWS + 1];
+    own_at[0] = shared;
     for (int64_t j = 0; j < shared; j++)
         slots[j] = ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
 #define SLOT(pos) (((table[(pos) / block_size] * block_size + (pos) % block_size) * Hkv + h) * D)
 #define POS(t, j) ((j) < dense[t] ? (j) : extra_pos[extra_ptr[t] + (j) - dense[t]])
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t n = dense[t] + extra_ptr[t + 1] - extra_ptr[t], at = own_at[t - t0];
+        for (int64_t j = shared; j < n; j++) slots[at + j - shared] = SLOT(POS(t, j));
+        own_at[t - t0 + 1] = at + n - shared;
+    }
+#undef SLOT
+#undef POS
+    const float *qrows[MAX_ROWS * MAX_GROUP];
+    for (int64_t r = 0; r < R; r++) qrows[r] = q + (t0 + r / G) * q_stride + (h * G + r % G) * D;
     /* 1. scores: row r = (t - t0) * G + g at scores[r * max_keys + j] */
-    for (int64_t j = 0; j < shared; j++) {
-        const float *k = k_cache + slots[j];
-        int64_t r = 0;
-        for (; r + 4 <= R; r += 4) { /* four rows' chains side by side */
-            const float *q0 = q + t0 * q_stride + h * G * D;
-#define QROW(x) (q0 + ((x) / G) * q_stride + ((x) % G) * D)
-            const float *a = QROW(r), *b = QROW(r + 1), *c = QROW(r + 2), *d = QROW(r + 3);
-#undef QROW
-            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-            for (int64_t v = 0; v < vecs; v++) {
-                const __m256 kv = _mm256_loadu_ps(k + 8 * v);
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8 * v), kv, s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(b + 8 * v), kv, s1);
-                s2 = _mm256_fmadd_ps(_mm256_loadu_ps(c + 8 * v), kv, s2);
-                s3 = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * v), kv, s3);
-            }
-            scores[r * max_keys + j] = hsum(s0) * scale;
-            scores[(r + 1) * max_keys + j] = hsum(s1) * scale;
-            scores[(r + 2) * max_keys + j] = hsum(s2) * scale;
-            scores[(r + 3) * max_keys + j] = hsum(s3) * scale;
-        }
-        for (; r < R; r++) {
-            const int64_t t = t0 + r / G, g = r % G;
-            scores[r * max_keys + j] = dot(q + t * q_stride + (h * G + g) * D, k, vecs) * scale;
-        }
+    if (use_avx512 > 0 && R > 1)
+        score_shared16(qrows, R, k_cache, slots, shared, vecs, scale, scores, max_keys, pairs);
+    else for (int64_t j = 0; j < shared; j += 8) {
+        const int64_t nk = shared - j < 8 ? shared - j : 8;
+        const float *k[8];
+        for (int64_t i = 0; i < 8; i++) k[i] = k_cache + slots[j + (i < nk ? i : 0)];
+        score_keys(qrows, R, k, nk, vecs, scale, scores + j, max_keys);
     }
     for (int64_t t = t0; t < t1; t++) {
-        const int64_t n = dense[t] + extra_ptr[t + 1] - extra_ptr[t];
-        for (int64_t j = shared; j < n; j++) {
-            const float *k = k_cache + SLOT(POS(t, j));
-            for (int64_t g = 0; g < G; g++)
-                scores[((t - t0) * G + g) * max_keys + j] = dot(q + t * q_stride + (h * G + g) * D, k, vecs) * scale;
+        const int64_t n = dense[t] + extra_ptr[t + 1] - extra_ptr[t], at = own_at[t - t0];
+        for (int64_t j = shared; j < n; j += 8) {
+            const int64_t nk = n - j < 8 ? n - j : 8;
+            const float *k[8];
+            for (int64_t i = 0; i < 8; i++) k[i] = k_cache + slots[at + j - shared + (i < nk ? i : 0)];
+            score_keys(qrows + (t - t0) * G, G, k, nk, vecs, scale, scores + (t - t0) * G * max_keys + j, max_keys);
         }
     }
     /* 2. probabilities (unnormalised) and their sums */
@@ -134,33 +271,11 @@ static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t 
         for (int64_t g = 0; g < G; g++)
             total[(t - t0) * G + g] = softmax_numerators(scores + ((t - t0) * G + g) * max_keys,
                                                          dense[t] + extra_ptr[t + 1] - extra_ptr[t]);
-    /* 3. weighted values, one row at a time with up to 8 vectors of accumulators in registers
-     * (V rows of this task stay in cache between rows) */
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t n = dense[t] + extra_ptr[t + 1] - extra_ptr[t];
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t r = (t - t0) * G + g;
-            const float *p = scores + r * max_keys;
-            for (int64_t c0 = 0; c0 < vecs; c0 += 8) {
-                const int64_t cn = vecs - c0 < 8 ? vecs - c0 : 8;
-                __m256 a[8];
-                for (int64_t c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
-                for (int64_t j = 0; j < n; j++) {
-                    const float *v = v_cache + (j < shared ? slots[j] : SLOT(POS(t, j))) + 8 * c0;
-                    const __m256 pj = _mm256_set1_ps(p[j]);
-                    if (cn == 8) {
-#pragma GCC unroll 8
-                        for (int64_t c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), a[c]);
-                    } else {
-                        for (int64_t c = 0; c < cn; c++) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), a[c]);
-                    }
-                }
-                for (int64_t c = 0; c < cn; c++) _mm256_storeu_ps(acc + r * D + 8 * (c0 + c), a[c]);
-            }
-        }
-    }
-#undef SLOT
-#undef POS
+    /* 3. weighted values */
+    if (use_avx512 > 0 && D % 16 == 0)
+        value_pass16(R, G, t0, D, scores, max_keys, dense, extra_ptr, slots, own_at, shared, v_cache, acc);
+    else
+        value_pass8(R, G, t0, D, scores, max_keys, dense, extra_ptr, slots, own_at, shared, v_cache, acc);
     for (int64_t t = t0; t < t1; t++)
         for (int64_t g = 0; g < G; g++) {
             const int64_t r = (t - t0) * G + g;
@@ -200,23 +315,25 @@ int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int
     {
         float *scores = malloc(sizeof(float) * (size_t)(rows * max_keys + 8));
         float *acc = malloc(sizeof(float) * (size_t)(rows * D));
-        int64_t *slots = malloc(sizeof(int64_t) * (size_t)(max_keys + 1));
-        if (!scores || !acc || !slots) {
+        int64_t *slots = malloc(sizeof(int64_t) * (size_t)((MAX_ROWS + 1) * max_keys + 1)); /* shared + own keys */
+        float *pairs = malloc(sizeof(float) * (size_t)((rows + 1) * D)); /* score_shared16's row pairs */
+        if (!scores || !acc || !slots || !pairs) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < tasks; i++) {
-            if (!scores || !acc || !slots) continue;
+            if (!scores || !acc || !slots || !pairs) continue;
             const int64_t b = i / Hkv, h = i % Hkv;
             if (query_start[b + 1] > query_start[b])
                 one_task(query_start[b], query_start[b + 1], h, q, q_stride, Hq, Hkv, D, k_cache, v_cache,
                          block_size, block_tables + b * max_blocks, dense, extra_ptr, extra_pos,
-                         max_keys, scale, out, scores, acc, slots);
+                         max_keys, scale, out, scores, acc, slots, pairs);
         }
         free(scores);
         free(acc);
         free(slots);
+        free(pairs);
     }
     return failed ? -1 : 0;
 }

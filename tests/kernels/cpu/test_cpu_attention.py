@@ -115,3 +115,35 @@ def test_more_rows_than_the_kernel_takes_is_a_clear_error(make_batch):
         cpu_attention.paged_attention(b["q"], b["k_cache"], b["v_cache"], b["block_tables"].long(),
                                       torch.tensor([0, 17]), torch.arange(6, 23), ptr,
                                       torch.zeros(0, dtype=torch.int64), 22, b["scale"])
+
+
+def _has_avx512() -> bool:
+    if not cpu_attention.available():
+        return False
+    before = cpu_attention.wide()
+    try:
+        return cpu_attention.wide(True)
+    finally:
+        cpu_attention.wide(before)
+
+
+AVX512 = _has_avx512()
+
+
+@pytest.mark.skipif(not AVX512, reason="no AVX-512F on this CPU")
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (8, 8, 64), (12, 4, 80)])
+def test_the_avx512_passes_give_the_avx2_bits(make_batch, heads):
+    """pick_wide chooses between the two for speed alone: every row (decode, chains, trees, an
+    odd number of rows, contexts with a partial last group of keys) has the same bits."""
+    hq, hkv, d = heads
+    q_lens, prefix = [1, 4, 6, 1, 3, 16], [40, 17, 33, 0, 1031, 5]
+    trees = [None, None, [-1, 0, 0, 1, 2, 1], None, [-1, 0, 0], None]
+    b = make_batch(q_lens, prefix, hq, hkv, d, 16, seed=7)
+    before = cpu_attention.wide()
+    try:
+        out = {on: (cpu_attention.wide(on), attend(A.CPUPagedAttention(), b, q_lens, trees))[1]
+               for on in (False, True)}
+    finally:
+        cpu_attention.wide(before)
+    assert torch.equal(out[True], out[False])
+    torch.testing.assert_close(out[True], attend(A.TorchAttention(), b, q_lens, trees), atol=1e-5, rtol=1e-5)
