@@ -1,4 +1,4 @@
-"""`specserve` command line: serve, generate, train-draft, bench {offline,serve,spec}.
+"""`specserve` command line: serve, generate, train-draft, bench {offline,serve,spec,load,gpu}.
 
 Subcommands import their modules lazily so `specserve --help` is instant.
 """
@@ -14,6 +14,8 @@ _BENCHES = {
     "serve": ("specserve.bench.serving", "latency and throughput of a running server"),
     "spec": ("specserve.bench.spec", "speculative decoding over the Spec-Bench prompts"),
     "load": ("specserve.bench.load", "plain decoding vs speculation at concurrency 1..64 (chat + code)"),
+    "gpu": ("specserve.bench.gpu", "the GPU measurements in one run: kernel tests and sweep, 8B-shaped "
+            "decode eager vs graphs, step profile, greedy equality, the real model"),
 }
 
 
@@ -32,6 +34,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     gen.add_argument("--speculative-config", default="auto")
+    gen.add_argument("--enforce-eager", action="store_true", help="no compiled step, no CUDA graphs")
+    gen.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="split the model across N ranks (specserve serve --help)")
 
     from specserve.spec_decode.training import train
 
@@ -51,7 +56,8 @@ def _build_parser() -> argparse.ArgumentParser:
 def _generate(args: argparse.Namespace) -> int:
     from specserve import LLM, SamplingParams
 
-    llm = LLM(args.model, speculative_config=args.speculative_config)
+    llm = LLM(args.model, speculative_config=args.speculative_config, enforce_eager=args.enforce_eager,
+              tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

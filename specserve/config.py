@@ -27,6 +27,8 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0  # seed for dummy weights and unseeded requests' sampling streams
     quantization: str = "none"  # none | int8 (weight-only, CPU: specserve.model.quant)
+    tensor_parallel_size: int = 1  # ranks the target is split across (specserve.model.parallel)
+    enforce_eager: bool = False  # no compiled step, no CUDA graphs (specserve.model.compiled)
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,8 @@ class EngineConfig:
                kv_cache_memory_gb: float = 1.0, enable_prefix_caching: bool = True,
                max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                speculative_config: str | dict | SpecConfig | None = "auto",
-               quantization: str | None = None) -> "EngineConfig":
+               quantization: str | None = None, tensor_parallel_size: int = 1,
+               enforce_eager: bool = False) -> "EngineConfig":
         if dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         if load_format not in ("auto", "dummy"):
@@ -202,6 +205,9 @@ class EngineConfig:
             raise ValueError(f"num_blocks: must be at least 1, got {num_blocks}")
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len: must be at least 1, got {max_model_len}")
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
+                or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {tensor_parallel_size!r}")
         quantization = quantization or "none"
         if quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization: expected one of {', '.join(QUANTIZATION_CHOICES)}, "
@@ -214,7 +220,7 @@ class EngineConfig:
             else SpecConfig.parse(speculative_config)
         return EngineConfig(
             model=ModelConfig(model or DEFAULT_MODEL, dtype, load_format, max_model_len, device, seed,
-                              quantization),
+                              quantization, tensor_parallel_size, enforce_eager=bool(enforce_eager)),
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             spec=spec,

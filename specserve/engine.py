@@ -22,12 +22,14 @@ from specserve.config import EngineConfig
 from specserve.detokenizer import IncrementalDetokenizer
 from specserve.kv_cache.manager import KVCacheManager, cdiv
 from specserve.model.arch import ModelArch
+from specserve.model.compiled import MAX_WIDTH as MAX_STEP_WIDTH
 from specserve.model.loader import canonical_alias, resolve_model_dir
 from specserve.model.runner import ModelRunner, kv_bytes_per_block, pick_device, pick_dtype
 from specserve.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
                                SamplingParams, TokenLogprob)
 from specserve.scheduler.scheduler import Scheduler
 from specserve.spec_decode import methods
+from specserve.spec_decode.cost_model import device_clock
 from specserve.structured import Grammars
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    cuda_graph_capture_seconds: float = 0.0  # at start (model/cuda_graphs.py); 0 without graphs
 
     def count_verified(self, drafted: int, accepted: int) -> None:
         """One request's verified draft: `drafted` nodes, the first `accepted` of its path kept."""
@@ -82,13 +85,24 @@ class Engine:
         cache = config.cache
         if cache.num_blocks is None:  # one memory budget for the target's KV and a draft model's
             dtype = pick_dtype(mc.dtype, pick_device(mc.device))
-            per_block = (kv_bytes_per_block(self.arch, cache.block_size, dtype)
+            per_block = (kv_bytes_per_block(self.arch, cache.block_size, dtype, mc.tensor_parallel_size)
                          + methods.kv_bytes_per_block(spec_config, self.arch, cache.block_size, dtype))
             cache = replace(cache, num_blocks=max(16, int(cache.kv_cache_memory_gb * (1 << 30)) // per_block))
-        self.runner = ModelRunner(self.model_dir, self.arch, mc, cache, self.max_model_len)
+        if mc.tensor_parallel_size > 1:  # rank 0 of the group; workers started (model/tp_worker.py)
+            from specserve.model.tp_worker import start_runner
+
+            self.runner = start_runner(self.model_dir, self.arch, mc, cache, self.max_model_len,
+                                       keep_vocab=spec_config.method in ("eagle", "medusa"))
+        else:
+            self.runner = ModelRunner(self.model_dir, self.arch, mc, cache, self.max_model_len)
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self._stats = EngineStats()
+        # the compiled / graph-captured step (model/compiled.py), before the cost model times steps
+        sc = config.scheduler
+        self.runner.prepare_steps(sc.max_num_seqs, sc.max_num_batched_tokens,
+                                  1 if spec_config.method is None else min(MAX_STEP_WIDTH, sc.max_num_batched_tokens))
+        self._stats.cuda_graph_capture_seconds = self.runner.graph_capture_seconds
         self.spec = methods.make_decoder(spec_config, self.runner, self.kv, self._stats, mc,
                                          self.max_model_len, config.scheduler)
         # the most tokens (prompt and output) one request can hold: the context, or less when
@@ -112,7 +126,8 @@ class Engine:
               f"({self.arch.num_layers} layers, vocab {self.arch.vocab_size}, "
               f"{self.runner.num_blocks} KV blocks, {self.runner.device} "
               f"{str(self.runner.dtype).removeprefix('torch.')}"
-              f"{' with int8 weights' if mc.quantization == 'int8' else ''}, speculation: "
+              f"{' with int8 weights' if mc.quantization == 'int8' else ''}"
+              f"{f', tensor parallel {mc.tensor_parallel_size}' if mc.tensor_parallel_size > 1 else ''}, speculation: "
               f"{spec_config.method or 'off'})", flush=True)
 
     # -- requests -----------------------------------------------------------------------------
@@ -188,7 +203,14 @@ class Engine:
         self._aborted.append(req)
 
     def has_unfinished_requests(self) -> bool:
+        if self.runner.tp is not None:  # a dead tensor-parallel worker ends the engine (WorkerLost)
+            self.runner.tp.check()
         return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also end with this process)."""
+        if self.runner.tp is not None:
+            self.runner.tp.shutdown()
 
     @property
     def num_failed_steps(self) -> int:
@@ -237,9 +259,9 @@ class Engine:
         return outputs
 
     def _run(self, sched, outputs: list[RequestOutput], step_start: float, group) -> None:
-        start = time.perf_counter()
+        start = device_clock(self.runner.device)
         step_logits = self.runner.execute(sched, self.spec.tree_parents(sched))  # 2. execute
-        self.spec.observe_forward(sched, time.perf_counter() - start)
+        self.spec.observe_forward(sched, device_clock(self.runner.device) - start)  # work, not launches
         emitted = self.spec.sample_and_verify(sched, step_logits)  # 3. sample / verify
         self._stats.num_steps += 1
         self._stats.num_decode_only_steps += sched.decode_only

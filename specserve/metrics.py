@@ -49,6 +49,9 @@ class ServerMetrics:
                                  "Requests waiting to be scheduled.", label, registry=reg)
         self.kv_usage = Gauge("specserve:kv_cache_usage_perc",
                               "Fraction of KV cache blocks in use (0 to 1).", label, registry=reg)
+        self.graph_capture = Gauge("specserve:cuda_graph_capture_seconds",
+                                   "Seconds the engine took at start to capture its CUDA graphs "
+                                   "(0 without graphs).", label, registry=reg)
         self.prompt_tokens = Counter("specserve:prompt_tokens",
                                      "Prompt tokens processed.", label, registry=reg)
         self.generation_tokens = Counter("specserve:generation_tokens",
@@ -82,7 +85,7 @@ class ServerMetrics:
         self._last_per_pos: list[int] = []
         self._last_token_time: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens)
         # Create every child up front so all series exist (at 0) from the first scrape.
-        for metric in (self.num_running, self.num_waiting, self.kv_usage, self.prompt_tokens,
+        for metric in (self.num_running, self.num_waiting, self.kv_usage, self.graph_capture, self.prompt_tokens,
                        self.generation_tokens, self.num_preemptions, self.ttft, self.itl, self.e2e,
                        self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens):
             metric.labels(self.model_name)
@@ -97,6 +100,7 @@ class ServerMetrics:
         self.num_waiting.labels(name).set(stats.num_waiting)
         usage = float(stats.kv_cache_usage)
         self.kv_usage.labels(name).set(min(max(usage, 0.0), 1.0))
+        self.graph_capture.labels(name).set(float(getattr(stats, "cuda_graph_capture_seconds", 0.0) or 0.0))
 
         targets = {"prompt_tokens_total": self.prompt_tokens,
                    "generation_tokens_total": self.generation_tokens,
@@ -249,3 +253,84 @@ class SpecLog:
             logging.getLogger("specserve.spec_decode").info(format_spec_log(stats, self.prev))
             self.last, self.prev = now, copy.deepcopy(stats)
 
+
+
+class ReplicaMetrics:
+    """Per-replica series of a server with data-parallel replicas (server/replicas.py), each
+    with the labels model_name and replica ("0", "1", ...). The unlabelled-by-replica series of
+    ServerMetrics carry the totals over all replicas; these say how the work and the prefix
+    cache split. Fed on the event loop from each replica's EngineStats and the router."""
+
+    def __init__(self, model_name: str, num_replicas: int, registry: CollectorRegistry) -> None:
+        self.model_name = model_name
+        reg, label = registry, ["model_name", "replica"]
+        self.up = Gauge("specserve:replica_up",
+                        "1 while the replica's process runs, 0 once it has died.", label,
+                        registry=reg)
+        self.in_flight = Gauge("specserve:replica_requests_in_flight",
+                               "Requests routed to the replica and not finished (the router's "
+                               "load).", label, registry=reg)
+        self.num_running = Gauge("specserve:replica_num_requests_running",
+                                 "Requests in the replica's running batch.", label, registry=reg)
+        self.num_waiting = Gauge("specserve:replica_num_requests_waiting",
+                                 "Requests waiting in the replica's queue.", label, registry=reg)
+        self.kv_usage = Gauge("specserve:replica_kv_cache_usage_perc",
+                              "Fraction of the replica's KV cache blocks in use (0 to 1).",
+                              label, registry=reg)
+        self.prompt_tokens = Counter("specserve:replica_prompt_tokens",
+                                     "Prompt tokens the replica processed.", label, registry=reg)
+        self.generation_tokens = Counter("specserve:replica_generation_tokens",
+                                         "Tokens the replica generated.", label, registry=reg)
+        self.prefix_queries = Counter("specserve:replica_prefix_cache_queries",
+                                      "Prompt tokens looked up in the replica's prefix cache.",
+                                      label, registry=reg)
+        self.prefix_hits = Counter("specserve:replica_prefix_cache_hits",
+                                   "Prompt tokens found in the replica's prefix cache.", label,
+                                   registry=reg)
+        self.hit_rate = Gauge("specserve:replica_prefix_cache_hit_rate",
+                              "Prefix cache hits / queries of the replica since it started.",
+                              label, registry=reg)
+        self.routed = Counter("specserve:replica_requests_routed",
+                              "Requests routed to the replica, by reason: prefix (it held the "
+                              "longest cached prefix) or load (the least loaded).",
+                              label + ["reason"], registry=reg)
+        self._fields = {"prompt_tokens_total": self.prompt_tokens,
+                        "generation_tokens_total": self.generation_tokens,
+                        "prefix_cache_hit_tokens": self.prefix_hits}
+        self._last: list[dict[str, int]] = [dict.fromkeys(self._fields, 0)
+                                            for _ in range(num_replicas)]
+        for i in range(num_replicas):
+            r = str(i)
+            for metric in (self.in_flight, self.num_running, self.num_waiting, self.kv_usage,
+                           self.prompt_tokens, self.generation_tokens, self.prefix_queries,
+                           self.prefix_hits, self.hit_rate):
+                metric.labels(model_name, r)
+            self.up.labels(model_name, r).set(1)
+            for reason in ("prefix", "load"):
+                self.routed.labels(model_name, r, reason)
+
+    def update(self, replica: int, stats: Any) -> None:
+        """Gauges take the replica's current values; counters advance by the delta."""
+        name, r = self.model_name, str(replica)
+        self.num_running.labels(name, r).set(stats.num_running)
+        self.num_waiting.labels(name, r).set(stats.num_waiting)
+        self.kv_usage.labels(name, r).set(min(max(float(stats.kv_cache_usage), 0.0), 1.0))
+        last = self._last[replica]
+        for field, counter in self._fields.items():
+            value = int(getattr(stats, field, 0) or 0)
+            if value > last[field]:
+                counter.labels(name, r).inc(value - last[field])
+                if field == "prompt_tokens_total":  # every prompt token is looked up
+                    self.prefix_queries.labels(name, r).inc(value - last[field])
+            last[field] = value
+        queries = last["prompt_tokens_total"]
+        self.hit_rate.labels(name, r).set(last["prefix_cache_hit_tokens"] / queries if queries else 0.0)
+
+    def set_in_flight(self, replica: int, in_flight: int) -> None:
+        self.in_flight.labels(self.model_name, str(replica)).set(in_flight)
+
+    def routed_to(self, replica: int, reason: str) -> None:
+        self.routed.labels(self.model_name, str(replica), reason).inc()
+
+    def set_up(self, replica: int, up: bool) -> None:
+        self.up.labels(self.model_name, str(replica)).set(1 if up else 0)

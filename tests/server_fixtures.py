@@ -114,3 +114,28 @@ def default_model_args(max_model_len: int = 256) -> list[str]:
     """The real default model, a short context and enough sequences for the concurrency test."""
     return ["--max-model-len", str(max_model_len), "--max-num-seqs", "64",
             "--kv-cache-memory-gb", "0.25", "--stats-interval", "5"]
+
+
+class BackgroundStream:
+    """A streaming completion read on a thread of its own: `events` (the SSE data lines) grow
+    as they come; `started` is set at the first. For tests that kill a process mid-stream."""
+
+    def __init__(self, base_url: str, body: dict, timeout: float = 60) -> None:
+        import threading
+
+        self.events: list[str] = []
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(base_url, {**body, "stream": True}, timeout))
+        self.thread.start()
+
+    def _read(self, base_url: str, body: dict, timeout: float) -> None:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=timeout) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line[6:])
+                    self.started.set()
+
+    def join(self, timeout: float) -> bool:
+        """Whether the stream ended within `timeout` seconds."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()

@@ -226,8 +226,9 @@ class LlamaForCausalLM(nn.Module):
         quantize_linears(self.layers)
         self.lm_head_kernel = Int8Linear.from_linear(self.lm_head)
 
-    def finalize_weights(self) -> None:
-        """Call once the weights are final (loaded and cast).
+    def finalize_weights(self, c_kernels: bool = True) -> None:
+        """Call once the weights are final (loaded and cast). c_kernels False: none of our C
+        kernels below, PyTorch ops only (the compiled step on a CPU, model/compiled.py).
 
         CPU float32 where our linear kernel builds, and either the weights are exactly GGUF
         Q4_1/Q8_0 blocks (a model converted from such a file: the kernel reads the blocks and
@@ -249,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head.weight.detach()
         cpu = weight.device.type == "cpu"
         f32 = cpu and weight.dtype == torch.float32
-        if f32 and self.lm_head_kernel is None and cpu_linear.available() and (
+        if c_kernels and f32 and self.lm_head_kernel is None and cpu_linear.available() and (
                 self._gguf_blocks() or f32_kernel_pays(self.arch.hidden_size, self.arch.intermediate_size)):
             self.lm_head_kernel = cpu_linear.pack_float32(weight, None)
             for module in self.layers.modules():
@@ -262,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pad_single_row = cpu and weight.dtype == torch.bfloat16
-        self.use_layer_ops(f32 and layer_ops.available())
+        self.use_layer_ops(c_kernels and f32 and layer_ops.available())
 
     def _gguf_blocks(self) -> bool:
         """Whether the first MLP's weights are exactly GGUF blocks (a model converted from a

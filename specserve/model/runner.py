@@ -24,6 +24,7 @@ from specserve.model import tree_mask
 from specserve.model.attention import get_attention_backend
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import load_safetensors
+from specserve.model.parallel import TensorParallel, local_heads
 from specserve.scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,10 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for one block of tokens."""
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """K and V of every layer for one block of tokens (on one rank of `tp_size`: its KV heads)."""
+    kv_heads = local_heads(arch.num_heads, arch.num_kv_heads, tp_size)[1] if tp_size > 1 else arch.num_kv_heads
+    return 2 * arch.num_layers * block_size * kv_heads * arch.head_dim * dtype.itemsize
 
 
 @dataclass
@@ -77,9 +79,12 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model_dir: Path | None, arch: ModelArch, model_config: ModelConfig,
-                 cache_config: CacheConfig, max_model_len: int) -> None:
+                 cache_config: CacheConfig, max_model_len: int, tp: TensorParallel | None = None) -> None:
+        """`tp`: this rank's place in a tensor-parallel group (model/parallel.py,
+        model/tp_worker.py): the model keeps its slice, the KV cache its KV heads."""
         self.arch = arch
-        self.device = pick_device(model_config.device)
+        self.tp = tp
+        self.device = pick_device(model_config.device) if tp is None else tp.device
         self.dtype = pick_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -90,21 +95,31 @@ class ModelRunner:
             _init_dummy(model, model_config.seed)
         else:
             model.load_hf_state_dict(load_safetensors(model_dir))
+        if tp is not None:
+            tp.shard(model)
         self.model = model.to(self.dtype).eval()
         self.model.rotary.float()
         self.quantization = model_config.quantization
         if self.quantization == "int8":
             self.model.quantize_int8()
-        self.model.finalize_weights()
-        self.backend = get_attention_backend(self.device, self.dtype,
-                                             (arch.num_heads, arch.num_kv_heads, arch.head_dim))
+        from specserve.model.compiled import step_mode
+
+        # (compile, graphs) of the step (model/compiled.py); a compiled CPU step uses no C kernel
+        self.step_mode = step_mode(self.device, model_config.enforce_eager or tp is not None, self.quantization)
+        self.model.finalize_weights(c_kernels=not self.step_mode[0])
+        self.steps, self.graph_capture_seconds = None, 0.0  # see prepare_steps
+        self.tp_size = 1 if tp is None else tp.size
+        heads, kv_heads = local_heads(arch.num_heads, arch.num_kv_heads, self.tp_size)
+        self.backend = get_attention_backend(self.device, self.dtype, (heads, kv_heads, arch.head_dim))
         # callables (sched, hidden [T, hidden]) shown every step's final hidden states, before
         # anything else reads them (training data capture: spec_decode.training.data)
         self.hidden_hooks: list = []
         self.num_blocks = cache_config.num_blocks or self._blocks_for(cache_config.kv_cache_memory_gb)
         # one tensor per K and V for all layers ([L, num_blocks, block_size, Hkv, D]); each
-        # layer reads its own view, KV moves (move_kv) touch every layer in one call
-        shape = (arch.num_layers, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        # layer reads its own view, KV moves (move_kv) touch every layer in one call. One block
+        # more than the pool's: the null block, no request's, where padding rows write (step_buffers.py)
+        self.null_block = self.num_blocks
+        shape = (arch.num_layers, self.num_blocks + 1, self.block_size, kv_heads, arch.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))
@@ -115,8 +130,22 @@ class ModelRunner:
                     ", int8 weights" if self.quantization == "int8" else "",
                     type(self.backend).__name__, self.num_blocks, self.block_size)
 
+    def prepare_steps(self, max_num_seqs: int, max_num_batched_tokens: int, max_width: int) -> None:
+        """Set up the compiled / graph-captured step (model/compiled.py) where step_mode says
+        so, for batches of up to max_num_seqs requests whose longest query is max_width tokens
+        (1: decodes only); CUDA graphs are captured here (graph_capture_seconds). Not under
+        tensor parallelism (its ranks run the eager path)."""
+        compile, graphs = self.step_mode
+        self.steps, self.graph_capture_seconds = None, 0.0
+        if (compile or graphs) and self.tp is None:
+            from specserve.model.compiled import StepRunner
+
+            self.steps = StepRunner(self, max_num_seqs, max_num_batched_tokens, max_width, compile, graphs)
+            self.graph_capture_seconds = self.steps.capture()
+
     def _blocks_for(self, gigabytes: float) -> int:
-        return max(16, int(gigabytes * (1 << 30)) // kv_bytes_per_block(self.arch, self.block_size, self.dtype))
+        return max(16, int(gigabytes * (1 << 30)) // kv_bytes_per_block(self.arch, self.block_size, self.dtype,
+                                                                          self.tp_size))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -140,19 +169,40 @@ class ModelRunner:
                 num_rows.append(0)
         if tree_parents is not None:  # tree nodes sit at prefix + depth, not prefix + index
             positions = tree_mask.tree_positions(positions, sched.num_tokens, tree_parents)
-        meta = self.backend.build_metadata(seq_lens, list(sched.num_tokens),
-                                           [r.block_ids for r in sched.requests], self.block_size,
-                                           self.device, tree_parents)
-        ids_pos = int_tensor([ids, positions], self.device)
-        every = self.model(ids_pos[0], ids_pos[1], self.kv_caches, meta, self.backend)
+        step = (ids, positions, seq_lens, list(sched.num_tokens), [r.block_ids for r in sched.requests],
+                tree_parents, row_index)
+        # tensor parallel: every worker runs the same forward on these inputs (model/tp_worker.py)
+        every, hidden, logits = self.forward(*step) if self.tp is None else self.tp.run("forward", self.forward, step)
         for hook in self.hidden_hooks:
             hook(sched, every)
+        return StepLogits(logits, hidden, row_start, num_rows, every)
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], positions: list[int], seq_lens: list[int], query_lens: list[int],
+                block_tables: list[list[int]], tree_parents, row_index: list[int]):
+        """The model's part of a step -> (final hidden states of every token [T, hidden], of the
+        rows to sample [R, hidden], their logits [R, V] float32: None on a tensor-parallel
+        worker, whose slice of the vocabulary goes to rank 0)."""
+        every = None if self.steps is None else self.steps.forward(
+            ids, positions, seq_lens, query_lens, block_tables, tree_parents)
+        if every is None:  # the eager path
+            meta = self.backend.build_metadata(seq_lens, query_lens, block_tables, self.block_size,
+                                               self.device, tree_parents)
+            ids_pos = int_tensor([ids, positions], self.device)
+            every = self.model(ids_pos[0], ids_pos[1], self.kv_caches, meta, self.backend)
         hidden = every if len(row_index) == len(ids) else every.index_select(0, int_tensor(row_index, self.device))
-        return StepLogits(self.model.compute_logits(hidden), hidden, row_start, num_rows, every)
+        logits = self.model.compute_logits(hidden)
+        return every, hidden, logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of cache slots src to slots dst in every layer (accepted draft paths
-        moving next to their roots): one call for all layers."""
+        moving next to their roots): one call for all layers (tensor parallel: on every rank)."""
+        if self.tp is not None:
+            self.tp.run("move_kv", self._move_kv, (src, dst))
+        else:
+            self._move_kv(src, dst)
+
+    def _move_kv(self, src: list[int], dst: list[int]) -> None:
         if self._move_slots is not None:  # the CPU: one C call, no index tensors
             self._move_slots(src, dst)
             return

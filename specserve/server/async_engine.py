@@ -319,13 +319,19 @@ class AsyncEngine:
             assert self._loop is not None
             stream._timer = self._loop.call_later(self.request_timeout, stream._put, RequestTimeoutError(
                 f"the request ran longer than the server's limit of {self.request_timeout:g} s"))
+        self._submit(requests, stream, tenant)
+        await stream.accepted()
+        return stream
+
+    def _submit(self, requests: list[tuple[str, list[int], SamplingParams, str | None]],
+                stream: RequestStream, tenant: str | None) -> None:
+        """Hand a stream's requests to the engine thread (replicas.ReplicaRouter: to the
+        replica processes); each answers on `stream._on_added`."""
         for request_id, token_ids, params, prompt in requests:
             self._inbox.put(_Add(request_id, list(token_ids), params, prompt, stream, tenant))
         self._wake.set()
         if self.error is not None:  # died meanwhile: nobody will drain the inbox
             self._fail_inbox()
-        await stream.accepted()
-        return stream
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, prompt: str | None = None

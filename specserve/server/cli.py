@@ -37,6 +37,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="int8: the target's weights in int8 (one scale per output row) on the CPU, "
                         "through a batch-invariant AVX2 kernel: a quarter of float32's weight "
                         "bytes, output close to (not identical with) the unquantized model's")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no compiled step and no CUDA graphs (on CUDA "
+                        "both are on by default; a CPU runs eagerly anyway)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--seed", type=int, default=0)
@@ -53,6 +56,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         'default "auto": EAGLE with the shipped head on the default model, prompt '
                         'lookup on others, verified only where the measured cost model says it '
                         'pays; "none" turns speculation off')
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="N engine processes (replicas) behind the one server, each with the "
+                        "whole model and its own KV cache; requests go to the replica holding "
+                        "the longest cached prefix of the prompt, else to the least loaded. On "
+                        "a CPU the torch threads are split evenly between replicas")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model across N ranks (processes; on CUDA one GPU each): "
+                        "attention heads, KV cache, MLP and vocabulary divided between them; gloo "
+                        "on a CPU, NCCL on CUDA (untested on GPUs). The heads must divide by N")
     g.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=list(TOOL_PARSERS),
                    help="the model's tool-call format: smollm (the default model's), hermes "
                         "(Hermes 2 Pro, Qwen 2.5/3), llama3_json (Llama 3.1+); docs/server.md")
@@ -99,7 +111,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        speculative_config=args.speculative_config, quantization=args.quantization)
+        speculative_config=args.speculative_config, quantization=args.quantization,
+        enforce_eager=getattr(args, "enforce_eager", False),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def run_server(args: argparse.Namespace, engine: Any = None) -> int:
@@ -118,22 +132,47 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
               "SPECSERVE_API_KEY (or --api-key), or bind to 127.0.0.1", file=sys.stderr)
         return 2
     executor = engine_executor()  # builds the engine and steps it: one thread for model work
+    num_replicas = getattr(args, "data_parallel_size", 1)
+    replicas = None
+    if num_replicas < 1:
+        print("specserve serve: --data-parallel-size must be at least 1", file=sys.stderr)
+        return 2
+    if num_replicas > 1 and engine is not None:
+        raise ValueError("run_server: replicas build their own engines; pass no engine")
     if engine is None:
         try:
             config = engine_config_from_args(args)
         except ValueError as e:
             print(f"specserve serve: {e}", file=sys.stderr)
             return 2
-        from specserve.engine import Engine
-        engine = executor.submit(Engine, config).result()
+        if num_replicas > 1:  # engine processes behind this one (server/replicas.py)
+            from specserve.server.replicas import (ReplicaEngineView, ReplicaStartError,
+                                                   launch_replicas)
+            try:
+                replicas = launch_replicas(config, num_replicas, args.stats_interval,
+                                           args.log_level)
+            except ReplicaStartError as e:
+                print(f"specserve serve: {e}", file=sys.stderr)
+                return 1
+            engine = ReplicaEngineView(replicas[0].facts)
+        else:
+            from specserve.engine import Engine
+            engine = executor.submit(Engine, config).result()
 
     name = args.served_model_name or engine.model_name
     aliases = [a for a in (engine.model_name, args.model) if a and a != name]
     metrics = ServerMetrics(name)
-    async_engine = AsyncEngine(engine, metrics, StatsLogger(args.stats_interval), executor,
-                               max_in_flight=args.max_num_seqs + args.max_queued_requests,
-                               request_timeout=args.request_timeout,
-                               stall_timeout=args.health_stall_timeout)
+    if replicas is not None:
+        from specserve.server.replicas import ReplicaRouter
+        async_engine: AsyncEngine = ReplicaRouter(
+            replicas, metrics, max_in_flight=num_replicas * args.max_num_seqs + args.max_queued_requests,
+            request_timeout=args.request_timeout, stall_timeout=args.health_stall_timeout,
+            max_num_seqs=args.max_num_seqs, engine_view=engine)
+    else:
+        async_engine = AsyncEngine(engine, metrics, StatsLogger(args.stats_interval), executor,
+                                   max_in_flight=args.max_num_seqs + args.max_queued_requests,
+                                   request_timeout=args.request_timeout,
+                                   stall_timeout=args.health_stall_timeout)
     app = build_app(async_engine, name, api_key=api_key, aliases=aliases,
                     max_body_bytes=args.max_request_body_bytes,
                     tool_call_parser=args.tool_call_parser, public_metrics=args.public_metrics)
@@ -151,8 +190,8 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
         timeout_keep_alive=5))
 
     def engine_died(error: BaseException) -> None:
-        logger.critical("the engine thread died (%r): exiting so that a supervisor restarts "
-                        "the server", error)
+        logger.critical("the engine died (%r): exiting so that a supervisor restarts the "
+                        "server", error)
         server.should_exit = True
 
     async_engine.on_death = engine_died

@@ -183,7 +183,8 @@ class StepCostModel:
         16 requests, each the mean of 2 after one warm-up forward. A few seconds; cached per
         process."""
         key = (repr(runner.arch), str(runner.dtype), str(runner.device), torch.get_num_threads(),
-               runner.block_size)
+               runner.block_size, getattr(runner, "tp_size", 1),
+               getattr(runner, "steps", None) is not None)  # (the compiled / graph step, or eager)
         if key not in _CALIBRATED:
             _CALIBRATED[key] = StepCostModel._calibrate(runner, kv, max_rows)
         return StepCostModel(*_CALIBRATED[key])
@@ -316,3 +317,12 @@ def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 2) -> 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_clock(device: torch.device) -> float:
+    """perf_counter once the device's queued work has finished: on CUDA the clock of a step
+    timer reads when the work is done, not when its kernels were launched (the host runs ahead
+    of the GPU); on a CPU, where work is done when its call returns, just perf_counter."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -27,6 +27,7 @@ from specserve.request import Request, TokenLogprob
 from specserve.sampling import FlatTrees, TokenCounts, gather_logprobs, verify_targets, verify_trees
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, Proposer, preorder
+from specserve.spec_decode.cost_model import device_clock
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.policy import PROBE_FIRST, PROBE_MAX, RequestState, SpecPolicy
 from specserve.structured import Grammars, constrain, cut
@@ -284,10 +285,10 @@ class SpecDecoder:
             [ks[j] for j in chosen], self.policy.min_score(batch),
             [r.params for r in reqs], [r.sampling_seed for r in reqs], [r.block_ids for r in reqs],
             [r.num_computed_tokens for r in reqs], [r.tenant for r in reqs])
-        start = time.perf_counter()
+        start = device_clock(self.runner.device)  # (on CUDA: the drafts' work, not their launches)
         drafted = self.proposer.propose(batch_in)
         if self.policy.adaptive:
-            self.policy.draft_cost.update(len(chosen), time.perf_counter() - start)
+            self.policy.draft_cost.update(len(chosen), device_clock(self.runner.device) - start)
         for j, tree in zip(chosen, drafted):
             trees[j] = tree
             if free and tree is not None:  # the first path is valued (and learnt) as lookup

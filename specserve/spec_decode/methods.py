@@ -97,6 +97,8 @@ def _tree_proposer(config: SpecConfig, runner, model_name: str, max_model_len: i
                          f"compiler and Python's headers here ({tree_ops.why_unavailable()}); use 'ngram'")
 
     model = runner.model
+    if getattr(model, "head_view", None) is not None:  # tensor parallel: rank 0's whole vocabulary
+        model = model.head_view
     weight = model.lm_head.weight
     quantize = check_quantization(config.extra.get("quantization"), weight.device, model.arch.hidden_size,
                                   model.arch.intermediate_size, weight.dtype)

@@ -18,6 +18,8 @@ Backends (same interface):
     but every query row's result is bitwise independent of the batch around it, which is what
     makes speculation exactly lossless in bfloat16.
   * `TritonAttention` (paged.py): the kernels in specserve/kernels (CUDA).
+  * `OpAttention` (ops.py): attention as registered torch.library ops (the Triton kernels on
+    CUDA, a dense PyTorch op elsewhere), the backend of the compiled step (model/compiled.py).
 
 Masks: each new token sees the context up to its own position (causal); a request whose rows
 form a draft tree sees the prefix, its ancestors and itself (specserve/model/tree_mask.py).
@@ -34,6 +36,7 @@ from .cpu_paged import CPUPagedAttention, CPUPagedMetadata
 from .gathered import GatheredMetadata
 from .invariant import KEY_CHUNK, InvariantAttention, LogicalMetadata, _sum_chunks
 from .metadata import AttentionBackend, AttentionMetadata, StepIndex, split_by_query_len
+from .ops import OpAttention, OpMetadata
 from .paged import PagedMetadata, TritonAttention
 from .sdpa import DenseMetadata, TorchAttention
 
@@ -41,12 +44,12 @@ __all__ = [
     "AttentionMetadata", "StepIndex", "split_by_query_len", "get_attention_backend", "AttentionBackend",
     "TorchAttention", "DenseMetadata", "GatheredMetadata",
     "InvariantAttention", "LogicalMetadata", "KEY_CHUNK", "_sum_chunks",
-    "TritonAttention", "PagedMetadata", "CPUPagedAttention", "CPUPagedMetadata",
+    "TritonAttention", "PagedMetadata", "CPUPagedAttention", "CPUPagedMetadata", "OpAttention", "OpMetadata",
 ]
 
 def get_attention_backend(device: torch.device, dtype: torch.dtype = torch.float32,
                           shape: tuple[int, int, int] | None = None) -> AttentionBackend:
-    """SPECSERVE_ATTENTION_BACKEND = auto | torch | cpu | invariant | triton. auto: Triton on
+    """SPECSERVE_ATTENTION_BACKEND = auto | torch | cpu | invariant | triton | ops. auto: Triton on
     CUDA; on CPU the invariant backend for bfloat16, our paged kernel (cpu) for float32 where
     it builds and covers the model's (heads, KV heads, head size) `shape`, SDPA (torch)
     otherwise."""
@@ -60,9 +63,11 @@ def get_attention_backend(device: torch.device, dtype: torch.dtype = torch.float
             choice = "cpu" if shape is not None and cpu_attention.supports(*shape, dtype) else "torch"
     backends = {"torch": TorchAttention, "cpu": CPUPagedAttention, "invariant": InvariantAttention,
                 "triton": TritonAttention}
+    if choice == "ops":
+        return OpAttention(device)
     if choice not in backends:
-        raise ValueError(f"SPECSERVE_ATTENTION_BACKEND: expected auto, torch, cpu, invariant or triton, "
-                         f"got {choice!r}")
+        raise ValueError(f"SPECSERVE_ATTENTION_BACKEND: expected auto, torch, cpu, invariant, triton or "
+                         f"ops, got {choice!r}")
     if choice == "cpu" and not cpu_attention.available():
         raise ValueError(f"SPECSERVE_ATTENTION_BACKEND=cpu: the kernel is unavailable "
                          f"({cpu_attention.why_unavailable()})")

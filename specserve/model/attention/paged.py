@@ -29,6 +29,19 @@ class PagedMetadata(AttentionMetadata):
     tree_mask: torch.Tensor | None = None  # [T, W] int32 packed bits (tree_mask.py); None: causal
 
 
+def paged_metadata(cls, step: StepIndex, device: torch.device):
+    """A step's paged layout as the kernels read it (int32), and its packed tree mask, in a
+    `cls` (PagedMetadata or a subclass)."""
+    meta = cls(**AttentionMetadata.common(step, device),
+               query_start_loc=to_device(step.qsl, device, torch.int32),
+               seq_lens=to_device(step.seq, device, torch.int32),
+               block_tables=to_device(step.table, device, torch.int32))
+    if step.tree_parents is not None:
+        packed = tree_mask.packed_step_mask(step.tree_parents, step.qlen.tolist())
+        meta.tree_mask = to_device(packed, device, torch.int32)
+    return meta
+
+
 class TritonAttention:
     """CUDA backend: the paged and tree attention kernels of specserve.kernels."""
 
@@ -36,15 +49,8 @@ class TritonAttention:
                        block_size: int, device: torch.device,
                        tree_parents: TreeParents | None = None) -> PagedMetadata:
         """Host-side construction with numpy; one transfer per tensor."""
-        step = StepIndex.build(seq_lens, query_lens, block_tables, block_size, tree_parents)
-        meta = PagedMetadata(**AttentionMetadata.common(step, device),
-                             query_start_loc=to_device(step.qsl, device, torch.int32),
-                             seq_lens=to_device(step.seq, device, torch.int32),
-                             block_tables=to_device(step.table, device, torch.int32))
-        if step.tree_parents is not None:
-            packed = tree_mask.packed_step_mask(step.tree_parents, step.qlen.tolist())
-            meta.tree_mask = to_device(packed, device, torch.int32)
-        return meta
+        return paged_metadata(PagedMetadata, StepIndex.build(seq_lens, query_lens, block_tables, block_size,
+                                                             tree_parents), device)
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: PagedMetadata, scale: float) -> torch.Tensor:
         from specserve import kernels  # imports triton when installed: only once a step runs

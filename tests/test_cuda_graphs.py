@@ -1,0 +1,85 @@
+"""The compiled, graph-captured step on CUDA (model/compiled.py, model/cuda_graphs.py): the
+same tokens as the eager path, every step replayed from a graph, no host sync in a replay.
+Skipped without a CUDA device (`-m gpu` selects them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+ARGS = dict(device="cuda", dtype="float32", max_model_len=256, num_blocks=64, max_num_seqs=8,
+            max_num_batched_tokens=128,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+PROMPTS = ["one two three one two three one two three one two", "hello world hello world hello world",
+           "a b c d a b c d a b"]
+
+
+@pytest.fixture(scope="module")
+def graph_llm(make_llm, tiny_model_dir):
+    return make_llm(str(tiny_model_dir), **ARGS)
+
+
+def test_graphs_give_the_eager_tokens(make_llm, tiny_model_dir, graph_llm):
+    eager = make_llm(str(tiny_model_dir), enforce_eager=True, **ARGS)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
+    got = [o.outputs[0].token_ids for o in graph_llm.generate(PROMPTS, params)]
+    runner, stats = graph_llm.engine.runner, graph_llm.engine.stats
+    steps = runner.steps
+    assert eager.engine.runner.steps is None and eager.engine.runner.graph_capture_seconds == 0
+    assert steps is not None and steps.compiled and steps.graphs is not None
+    assert set(steps.graphs.graphs) == set(steps.all_buckets())
+    assert runner.graph_capture_seconds > 0 and stats.cuda_graph_capture_seconds == runner.graph_capture_seconds
+    assert got == want
+    assert steps.counts["decode"] > 0 and steps.counts["verify"] > 0
+    assert sum(steps.counts.values()) == stats.num_steps
+    assert stats.spec_num_accepted_tokens > 0
+
+
+@torch.inference_mode()
+def test_a_replay_does_not_sync(graph_llm):
+    steps = graph_llm.engine.runner.steps
+    null = steps.buffers.null_block
+    bucket = steps.bucket([5, 1], [[null], [null]])
+    steps.buffers.fill(bucket, [5, 6, 7, 8, 9, 4], [3, 4, 4, 5, 6, 9], [8, 10], [5, 1], [[null], [null]],
+                       [[-1, 0, 0, 1, 2], None])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hidden = steps.graphs.replay(bucket)
+        eager = steps.run(*steps.buffers._views(bucket))  # the compiled forward itself
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert hidden is not None and torch.allclose(hidden, eager, atol=1e-4)
+
+
+def test_triton_ops_match_the_dense_op():
+    torch.manual_seed(0)
+    q_lens, prefix, bs, hq, hkv, d = [1, 5, 1, 3], [700, 40, 1, 2000], 16, 32, 8, 128
+    seq = [p + n for p, n in zip(prefix, q_lens)]
+    blocks = [-(-s // bs) for s in seq]
+    num_blocks = sum(blocks) + 1
+    perm = torch.randperm(num_blocks).tolist()
+    tables, i = [], 0
+    for n in blocks:
+        tables.append(perm[i:i + n] + [0] * (max(blocks) - n))
+        i += n
+    cache = torch.randn(2, 1, num_blocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16)
+    table = torch.tensor(tables, dtype=torch.int32, device="cuda")
+    seq_t = torch.tensor(seq, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, 1, 6, 7, 10], dtype=torch.int32, device="cuda")
+    from specserve.model import tree_mask as trees
+
+    mask = torch.from_numpy(trees.packed_step_mask([None, [-1, 0, 0, 1, 1], None, None], q_lens)).cuda()
+    args = (q, cache[0], cache[1], 0, table, seq_t, qsl)
+    ops = torch.ops.specserve
+    for tree in (None, mask):
+        dense = ops.dense_attention(*args, tree, d ** -0.5, 5)
+        kernel = (ops.paged_attention(*args, d ** -0.5, 5) if tree is None
+                  else ops.tree_attention(*args, tree, d ** -0.5, 5))
+        assert torch.allclose(kernel.float(), dense.float(), atol=3e-2, rtol=3e-2)
