@@ -6,6 +6,8 @@ speculation measured slower end to end is switched off (then probed) per batch s
 
 from __future__ import annotations
 
+import copy
+
 import math
 
 import numpy as np
@@ -328,6 +330,25 @@ def test_speculation_measured_faster_stays_on_with_rare_plain_samples():
     modes = run_realized(gate, 16, 400, spec_cost=0.7)
     assert modes[-100:].count(False) <= 2
     assert gate.bucket(15) == gate.bucket(16) != gate.bucket(64) and gate.bucket(3) == 3
+
+
+def test_a_new_request_is_judged_on_its_own_steps():
+    """At batch 1 the gate's verdict was measured on the request before: a new one probes at
+    once and is judged on MIN_SAMPLES of its own steps, whose first (the proposer re-warming)
+    costs more. One arrival among 16 changes nothing."""
+    gate = Realized()
+    run_realized(gate, 1, 100, spec_cost=1.3)  # a request speculation does not suit: gated off
+    assert not gate.speculate(1)
+    gate.new_requests(1, 1)
+    modes = [gate.speculate(1)]
+    gate.observe(1, True, 3.0, 1, 1.0)  # its first speculative step: three plain steps' time
+    modes += run_realized(gate, 1, 60, spec_cost=0.5, spec_tokens=2.0)  # then a good one
+    assert all(modes[:MIN_SAMPLES + 1]) and modes[-20:].count(False) <= 1
+    busy = Realized()
+    run_realized(busy, 16, 100, spec_cost=1.3)
+    twin = copy.deepcopy(busy)
+    busy.new_requests(1, 16)
+    assert run_realized(busy, 16, 200, spec_cost=1.3) == run_realized(twin, 16, 200, spec_cost=1.3)
 
 
 def test_calibration_stays_inside_a_short_context(make_llm, tiny_model_dir):

@@ -254,6 +254,28 @@ class Realized:
             self.plain[b] = value if n == 1 else 0.8 * self.plain[b] + 0.2 * value
         self.since_plain[b] = self.since_plain.get(b, 0) + 1 if speculated else 0
 
+    def new_requests(self, count: int, batch: int) -> None:
+        """`count` of the `batch` requests about to decode are new to speculation. The bucket's
+        verdict was measured on other requests: where the new ones are at least half of the
+        batch (every new request at batch 1), the old evidence counts for the share that stayed,
+        a verdict of slower waits for MIN_SAMPLES steps of the new batch (its first, which
+        re-warm the proposer, cost more than the rest) and a bucket measured slower probes at
+        once; so a request whose text speculation suits does not decode plainly for up to
+        PROBE_MAX steps because the one before it did not."""
+        share = count / batch
+        if share < 0.5:
+            return
+        b = self.bucket(batch)
+        sums = self.spec.get(b)
+        if sums is not None:
+            sums[0] *= 1 - share
+            sums[1] *= 1 - share
+        if (b, True) in self.count:  # MIN_SAMPLES of the new requests before a verdict of slower
+            self.count[(b, True)] = int(self.count[(b, True)] * (1 - share))
+        off = self.off.get(b)
+        if off is not None:
+            off.waited, off.interval, off.run = 0, PROBE_AFTER, PROBE_RUN
+
     def rate(self, batch: int) -> float | None:
         """The bucket's measured relative seconds per token with speculation (None: no sample)."""
         seconds, tokens = self.spec.get(self.bucket(batch), (0.0, 0.0))

@@ -46,6 +46,7 @@ class SpecDecoder:
         self.policy = policy or SpecPolicy(None, 1, adaptive=False)
         self.max_drafts = max_drafts if (proposer or lookup) else 0
         self.states: dict[str, RequestState] = {}
+        self._gate_seen: set[str] = set()  # requests the speculation gate has counted (Realized.new_requests)
         self._num_drafted = 1  # requests the proposer drafted for last step (its cost share)
         self._interval: tuple[float, int, bool, bool] | None = None  # from propose to propose
         self._busy = 0.0  # seconds inside engine steps so far: the clock of _interval
@@ -77,6 +78,7 @@ class SpecDecoder:
         """A request finished, or preempted (its drafts and every cache of it are gone; what
         it needs again is rebuilt from its tokens)."""
         self.states.pop(request_id, None)
+        self._gate_seen.discard(request_id)
         for proposer in filter(None, (self.proposer, self.lookup)):
             proposer.free(request_id)
 
@@ -235,6 +237,11 @@ class SpecDecoder:
             room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             if req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1 and room >= 1:
                 eligible.append((req, room))
+        if self.policy.adaptive and eligible:  # requests the gate has not seen yet: see Realized
+            new = [r.request_id for r, _ in eligible if r.request_id not in self._gate_seen]
+            if new:
+                self._gate_seen.update(new)
+                self.policy.realized.new_requests(len(new), batch)
         if not (self._speculate(batch, bool(eligible), step_start) if self.policy.adaptive else eligible):
             return  # nothing to draft for, a plain step to measure, or speculation measured slower
         states = [self._state(r) for r, _ in eligible]
