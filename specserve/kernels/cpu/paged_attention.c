@@ -9,7 +9,9 @@
  * positions extra_pos[extra_ptr[t] .. extra_ptr[t + 1] - 1] (a tree node's ancestors and
  * itself, in depth order). One task per (request, KV head) computes all the request's rows
  * (at most 16) and their G = Hq / Hkv query heads together, so a key or value row that several
- * rows see is read once per task:
+ * rows see is read once per task; a request whose rows see more than PARTITION keys is split
+ * into one task per PARTITION keys of the rows' key lists (a fixed size: never chosen by the
+ * batch), whose (max, sum, weighted values) merge in partition order (merge_partitions):
  *     1. scores s[r][j] = scale * (q_r . k_j), 8 lanes over D, lanes summed in a fixed order;
  *     2. p[r][j] = exp(s[r][j] - max_j s[r]), summed over j in key order;
  *     3. out_r = (sum_j p[r][j] v_j) / sum_j p[r][j], accumulated in key order.
@@ -23,12 +25,16 @@
  */
 #include <immintrin.h>
 #include "simd.h"
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define MAX_GROUP 16 /* query heads per KV head */
 #define MAX_ROWS 16 /* query tokens per request */
+#ifndef PARTITION
+#define PARTITION 512 /* keys of a task: a context of more is split, its partitions merged */
+#endif
 
 /* exp(x) for x <= 0 (softmax arguments): 2^n * 2^f, n = round(x / ln 2), f in [-1/2, 1/2],
  * 2^f by its Taylor series in f * ln 2 to the 7th power; below -87 the result is 0. */
@@ -50,8 +56,13 @@ static inline __m256 exp_ps(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* p[j] = exp(s[j] - max s) for j < n, in place; returns their sum (8 lanes, then the lanes). */
-static float softmax_numerators(float *s, int64_t n) {
+/* p[j] = exp(s[j] - max s) for j < n, in place; returns their sum (8 lanes, then the lanes) and
+ * sets *max_out to max s (n = 0: 0 and -inf). */
+static float softmax_numerators(float *s, int64_t n, float *max_out) {
+    if (n <= 0) {
+        *max_out = -INFINITY;
+        return 0.0f;
+    }
     float m = s[0]; /* the largest score, 8 lanes at a time (a maximum is exact in any order) */
     int64_t j = 0;
     if (n >= 8) {
@@ -60,6 +71,7 @@ static float softmax_numerators(float *s, int64_t n) {
         m = hmax(mx);
     }
     for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    *max_out = m;
     const __m256 mv = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
     for (j = 0; j + 8 <= n; j += 8) {
@@ -222,19 +234,23 @@ __attribute__((target("avx512f"))) static void score_shared16(
  * keys after. Row (t, g) has n_t = dense[t] + extras keys, indexed j in position-list order,
  * and every sum over them runs in that order, so its bits do not depend on the other rows.
  * Scores take 8 keys at a time (8 chains in flight, their lanes summed together); value sums
- * take 3 rows at a time over 4 vectors of D (each value vector loaded once for the 3). */
+ * take 2 rows at a time (4 with AVX-512) over 4 vectors of D (each value vector loaded once for
+ * them). Only the keys lo .. hi - 1 of each row's key list (its partition); with part_m, the
+ * rows' (max, sum, weighted values) go to the partition buffers instead of out. */
 static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t q_stride, int64_t Hq, int64_t Hkv,
                      int64_t D, const float *k_cache, const float *v_cache, int64_t block_size,
                      const int64_t *table, const int64_t *dense, const int64_t *extra_ptr,
                      const int64_t *extra_pos, int64_t max_keys, float scale, float *out,
-                     float *scores, float *acc, int64_t *slots, float *pairs) {
+                     float *scores, float *acc, int64_t *slots, float *pairs, int64_t lo, int64_t hi,
+                     float *part_m, float *part_l, float *part_acc, int64_t part, int64_t NP) {
     const int64_t G = Hq / Hkv, vecs = D / 8, R = (t1 - t0) * G;
     int64_t shared = dense[t0];
     for (int64_t t = t0 + 1; t < t1; t++) shared = dense[t] < shared ? dense[t] : shared;
+    const int64_t shared_hi = shared < hi ? shared : hi;
     /* slots[0 .. shared - 1]: the shared keys; then, per token, the slots of its own keys */
     int64_t own_at[MAX_ROWS + 1];
     own_at[0] = shared;
-    for (int64_t j = 0; j < shared; j++)
+    for (int64_t j = lo; j < shared_hi; j++)
         slots[j] = ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
 #define SLOT(pos) (((table[(pos) / block_size] * block_size + (pos) % block_size) * Hkv + h) * D)
 #define POS(t, j) ((j) < dense[t] ? (j) : extra_pos[extra_ptr[t] + (j) - dense[t]])
@@ -248,42 +264,76 @@ static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t 
     const float *qrows[MAX_ROWS * MAX_GROUP];
     for (int64_t r = 0; r < R; r++) qrows[r] = q + (t0 + r / G) * q_stride + (h * G + r % G) * D;
     /* 1. scores: row r = (t - t0) * G + g at scores[r * max_keys + j] */
-    if (use_avx512 > 0 && R > 1)
-        score_shared16(qrows, R, k_cache, slots, shared, vecs, scale, scores, max_keys, pairs);
-    else for (int64_t j = 0; j < shared; j += 8) {
-        const int64_t nk = shared - j < 8 ? shared - j : 8;
+    if (use_avx512 > 0 && R > 1 && shared_hi > lo)
+        score_shared16(qrows, R, k_cache, slots + lo, shared_hi - lo, vecs, scale, scores + lo, max_keys, pairs);
+    else for (int64_t j = lo; j < shared_hi; j += 8) {
+        const int64_t nk = shared_hi - j < 8 ? shared_hi - j : 8;
         const float *k[8];
         for (int64_t i = 0; i < 8; i++) k[i] = k_cache + slots[j + (i < nk ? i : 0)];
         score_keys(qrows, R, k, nk, vecs, scale, scores + j, max_keys);
     }
     for (int64_t t = t0; t < t1; t++) {
-        const int64_t n = dense[t] + extra_ptr[t + 1] - extra_ptr[t], at = own_at[t - t0];
-        for (int64_t j = shared; j < n; j += 8) {
+        const int64_t n_all = dense[t] + extra_ptr[t + 1] - extra_ptr[t], at = own_at[t - t0];
+        const int64_t n = n_all < hi ? n_all : hi;
+        for (int64_t j = lo > shared ? lo : shared; j < n; j += 8) {
             const int64_t nk = n - j < 8 ? n - j : 8;
             const float *k[8];
             for (int64_t i = 0; i < 8; i++) k[i] = k_cache + slots[at + j - shared + (i < nk ? i : 0)];
             score_keys(qrows + (t - t0) * G, G, k, nk, vecs, scale, scores + (t - t0) * G * max_keys + j, max_keys);
         }
     }
-    /* 2. probabilities (unnormalised) and their sums */
-    float total[MAX_ROWS * MAX_GROUP];
-    for (int64_t t = t0; t < t1; t++)
-        for (int64_t g = 0; g < G; g++)
-            total[(t - t0) * G + g] = softmax_numerators(scores + ((t - t0) * G + g) * max_keys,
-                                                         dense[t] + extra_ptr[t + 1] - extra_ptr[t]);
-    /* 3. weighted values */
-    if (use_avx512 > 0 && D % 16 == 0)
-        value_pass16(R, G, t0, D, scores, max_keys, dense, extra_ptr, slots, own_at, shared, v_cache, acc);
-    else
-        value_pass8(R, G, t0, D, scores, max_keys, dense, extra_ptr, slots, own_at, shared, v_cache, acc);
-    for (int64_t t = t0; t < t1; t++)
+    /* 2. probabilities (unnormalised) and their sums, over the window */
+    float total[MAX_ROWS * MAX_GROUP], top[MAX_ROWS * MAX_GROUP];
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t n_all = dense[t] + extra_ptr[t + 1] - extra_ptr[t], n = (n_all < hi ? n_all : hi) - lo;
         for (int64_t g = 0; g < G; g++) {
             const int64_t r = (t - t0) * G + g;
+            total[r] = softmax_numerators(scores + r * max_keys + lo, n, top + r);
+        }
+    }
+    /* 3. weighted values */
+    if (use_avx512 > 0 && D % 16 == 0)
+        value_pass16(R, G, t0, D, scores, max_keys, dense, extra_ptr, slots, own_at, shared, lo, hi, v_cache, acc);
+    else
+        value_pass8(R, G, t0, D, scores, max_keys, dense, extra_ptr, slots, own_at, shared, lo, hi, v_cache, acc);
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = (t - t0) * G + g, row = t * Hq + h * G + g;
+            if (part_m) { /* one partition of several: merged by merge_partitions */
+                part_m[row * NP + part] = top[r];
+                part_l[row * NP + part] = total[r];
+                memcpy(part_acc + (row * NP + part) * D, acc + r * D, sizeof(float) * (size_t)D);
+                continue;
+            }
             const __m256 inv = _mm256_set1_ps(1.0f / total[r]);
-            float *o = out + (t * Hq + h * G + g) * D;
+            float *o = out + row * D;
             for (int64_t c = 0; c < vecs; c++)
                 _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + 8 * c), inv));
         }
+}
+
+/* Row `row`'s output from its NP partitions' (max, sum, weighted values), in partition order,
+ * empty ones skipped: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p. A row with one
+ * non-empty partition gets exactly the one-partition result (weight e^0 = 1). */
+static void merge_partitions(int64_t row, int64_t NP, int64_t D, const float *part_m, const float *part_l,
+                             const float *part_acc, float *out) {
+    float M = -INFINITY;
+    for (int64_t p = 0; p < NP; p++)
+        M = part_m[row * NP + p] > M ? part_m[row * NP + p] : M;
+    float l = 0.0f, *o = out + row * D;
+    const int64_t vecs = D / 8;
+    for (int64_t c = 0; c < vecs; c++) _mm256_storeu_ps(o + 8 * c, _mm256_setzero_ps());
+    for (int64_t p = 0; p < NP; p++) {
+        if (part_l[row * NP + p] == 0.0f) continue; /* no key of this row in the partition */
+        const float w = expf(part_m[row * NP + p] - M);
+        l = fmaf(w, part_l[row * NP + p], l);
+        const __m256 wv = _mm256_set1_ps(w);
+        const float *a = part_acc + (row * NP + p) * D;
+        for (int64_t c = 0; c < vecs; c++)
+            _mm256_storeu_ps(o + 8 * c, _mm256_fmadd_ps(wv, _mm256_loadu_ps(a + 8 * c), _mm256_loadu_ps(o + 8 * c)));
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / l);
+    for (int64_t c = 0; c < vecs; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * c), inv));
 }
 
 /* q: T rows of q_stride floats, each starting with [Hq, D]; out: [T, Hq, D]; caches: [num_blocks,
@@ -302,7 +352,7 @@ int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int
                     const int64_t *dense, const int64_t *extra_ptr, const int64_t *extra_pos,
                     int64_t max_keys, float scale, const float *k_new, const float *v_new,
                     int64_t new_stride, const int64_t *slot_mapping, float *out, int threads) {
-    const int64_t G = Hq / Hkv, tasks = B * Hkv, rows = MAX_ROWS * G;
+    const int64_t G = Hq / Hkv, rows = MAX_ROWS * G;
     for (int64_t b = 0; b < B; b++)
         if (query_start[b + 1] - query_start[b] > MAX_ROWS) return -2;
     if (k_new)
@@ -310,6 +360,35 @@ int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int
             memcpy(k_cache + slot_mapping[t] * Hkv * D, k_new + t * new_stride, sizeof(float) * (size_t)(Hkv * D));
             memcpy(v_cache + slot_mapping[t] * Hkv * D, v_new + t * new_stride, sizeof(float) * (size_t)(Hkv * D));
         }
+    /* tasks: (request, KV head, partition of PARTITION keys of its rows' key lists); a request
+     * whose rows all have at most PARTITION keys is one partition, written straight to out */
+    int64_t NP = 1, num_tasks = 0;
+    int64_t *parts = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (!parts) return -1;
+    parts[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t most = 0;
+        for (int64_t t = query_start[b]; t < query_start[b + 1]; t++) {
+            const int64_t n = dense[t] + extra_ptr[t + 1] - extra_ptr[t];
+            most = n > most ? n : most;
+        }
+        const int64_t np = most > PARTITION ? (most + PARTITION - 1) / PARTITION : 1;
+        NP = np > NP ? np : NP;
+        parts[b + 1] = parts[b] + np;
+    }
+    num_tasks = parts[B] * Hkv;
+    float *part_m = NULL, *part_l = NULL, *part_acc = NULL;
+    const int64_t T = query_start[B];
+    if (NP > 1) {
+        part_m = malloc(sizeof(float) * (size_t)(T * Hq * NP));
+        part_l = malloc(sizeof(float) * (size_t)(T * Hq * NP));
+        part_acc = malloc(sizeof(float) * (size_t)(T * Hq * NP * D));
+        if (!part_m || !part_l || !part_acc) {
+            free(parts), free(part_m), free(part_l), free(part_acc);
+            return -1;
+        }
+        for (int64_t i = 0; i < T * Hq * NP; i++) part_m[i] = -INFINITY, part_l[i] = 0.0f;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -322,18 +401,35 @@ int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < tasks; i++) {
+        for (int64_t i = 0; i < num_tasks; i++) {
             if (!scores || !acc || !slots || !pairs) continue;
-            const int64_t b = i / Hkv, h = i % Hkv;
+            const int64_t h = i % Hkv, slot = i / Hkv;
+            int64_t b = 0;
+            while (parts[b + 1] <= slot) b++;
+            const int64_t part = slot - parts[b], np = parts[b + 1] - parts[b];
             if (query_start[b + 1] > query_start[b])
                 one_task(query_start[b], query_start[b + 1], h, q, q_stride, Hq, Hkv, D, k_cache, v_cache,
                          block_size, block_tables + b * max_blocks, dense, extra_ptr, extra_pos,
-                         max_keys, scale, out, scores, acc, slots, pairs);
+                         max_keys, scale, out, scores, acc, slots, pairs,
+                         np > 1 ? part * PARTITION : 0, np > 1 ? (part + 1) * PARTITION : INT64_MAX,
+                         np > 1 ? part_m : NULL, part_l, part_acc, part, NP);
         }
         free(scores);
         free(acc);
         free(slots);
         free(pairs);
+        if (NP > 1) { /* the rows of requests of several partitions, merged in partition order */
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < B; b++) {
+                if (parts[b + 1] - parts[b] < 2) continue;
+                for (int64_t row = query_start[b] * Hq; row < query_start[b + 1] * Hq; row++)
+                    merge_partitions(row, NP, D, part_m, part_l, part_acc, out);
+            }
+        }
     }
+    free(parts);
+    free(part_m);
+    free(part_l);
+    free(part_acc);
     return failed ? -1 : 0;
 }

@@ -96,6 +96,39 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(make_batch):
         torch.set_num_threads(threads)
 
 
+def test_long_contexts_split_into_partitions_keep_every_rows_bits(make_batch):
+    """Contexts over the kernel's partition (512 keys) are split into tasks whose results are
+    merged in a fixed order: rows of a request that straddles a partition boundary (a chain
+    from 509 keys, a tree from 1,020) match SDPA and have the same bits alone, in any batch, as
+    single-token decodes of their own length and with one thread."""
+    q_lens, prefix = [5, 1, 4, 1], [509, 1100, 1020, 7]
+    trees = [None, None, [-1, 0, 0, 1], None]
+    b = make_batch(q_lens, prefix, 9, 3, 64, 16, seed=11)
+    backend = A.CPUPagedAttention()
+    whole = attend(backend, b, q_lens, trees)
+    torch.testing.assert_close(whole, attend(A.TorchAttention(), b, q_lens, trees), atol=1e-5, rtol=1e-5)
+    starts = b["query_start_loc"].tolist()
+    parts = {rows: attend(backend, b, q_lens, trees, list(rows)) for rows in ((0,), (2,), (1, 0), (3, 2))}
+    expect = {rows: torch.cat([whole[starts[r]:starts[r + 1]] for r in rows]) for rows in parts}
+    assert all(torch.equal(parts[rows], expect[rows]) for rows in parts)
+    # the chain's rows one at a time, as decodes of 510 .. 514 keys (one partition, then two)
+    singles = []
+    for i in range(q_lens[0]):
+        one = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in b.items()}
+        one["seq_lens"] = b["seq_lens"].clone()
+        one["seq_lens"][0] = prefix[0] + i + 1
+        one["q"] = torch.cat([b["q"][starts[0] + i:starts[0] + i + 1], b["q"][starts[1]:]])
+        one["query_start_loc"] = torch.tensor([0, 1] + [1 + s - starts[1] for s in starts[2:]], dtype=torch.int32)
+        singles.append(attend(backend, one, [1] + q_lens[1:], [None] + trees[1:], [0]))
+    assert torch.equal(torch.cat(singles), whole[starts[0]:starts[1]])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(attend(backend, b, q_lens, trees), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_auto_picks_the_kernel_for_float32_only(monkeypatch):
     monkeypatch.delenv("SPECSERVE_ATTENTION_BACKEND", raising=False)
     cpu = torch.device("cpu")
