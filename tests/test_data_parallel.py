@@ -106,8 +106,7 @@ def test_a_repeated_prefix_goes_to_the_replica_that_holds_it(dp2, model_dir):
             "model": model, "prompt": PROMPT_A, "max_tokens": 40, "temperature": 0,
             "ignore_eos": True, "stream": True}) as r:
         lines = r.iter_lines()
-        while not next(lines).startswith("data: "):
-            pass  # A has its first token: it is in flight on its replica
+        next(line for line in lines if line.startswith("data: "))  # A's first token: in flight on its replica
         client.completions.create(model=model, prompt=PROMPT_B, max_tokens=2, temperature=0)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"

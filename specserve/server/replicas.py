@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import logging
 import os
 import queue
@@ -290,6 +291,11 @@ class PrefixAffinity:
     def keys(self, token_ids: list[int]) -> list[bytes]:
         return block_keys(token_ids, self.block_size)
 
+    def extend(self, keys: list[bytes], token_ids: list[int]) -> list[bytes]:
+        """The keys of token_ids' full blocks, given `keys`, those of its first len(keys) blocks."""
+        done = len(keys) * self.block_size
+        return keys + block_keys(token_ids[done:], self.block_size, keys[-1]) if keys else self.keys(token_ids)
+
     def cached_blocks(self, replica: int, keys: list[bytes]) -> int:
         """How many of the leading blocks the replica was sent (keys are chained: a run)."""
         record, n = self.records[replica], 0
@@ -513,7 +519,7 @@ class ReplicaRouter(AsyncEngine):
             self.metrics = ServerMetrics(view.model_name)
         self.replica_metrics = ReplicaMetrics(self.metrics.model_name, len(replicas),
                                               self.metrics.registry)
-        self.kv_snapshot = self._snapshot()
+        self.kv_snapshot = self._snapshot(self._total_stats())
 
     # -- lifecycle (event loop) ---------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -611,13 +617,6 @@ class ReplicaRouter(AsyncEngine):
         connection.wait([replica.process.sentinel], 1.0)  # its exit code, once it has one
         self._to_loop(self._on_exit, replica)
 
-    def _to_loop(self, fn: Any, *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is listening any more
-
     def _on_message(self, replica: Replica, message: tuple) -> None:
         kind = message[0]
         replica.heartbeat = time.monotonic()
@@ -637,10 +636,11 @@ class ReplicaRouter(AsyncEngine):
         elif kind == "step":
             _, outputs, stats, failing = message
             replica.stats, replica.failing = stats, failing
-            self._update_metrics(replica, outputs)  # first: /metrics is current once output is seen
+            total = self._total_stats()
+            self._update_metrics(replica, outputs, total)  # first: /metrics is current once output is seen
             for out in outputs:
                 self._deliver(replica, out)
-            self.kv_snapshot = self._snapshot()
+            self.kv_snapshot = self._snapshot(total)
         elif kind == "failed":
             error = RequestFailedError(message[2])
             for rid in message[1]:
@@ -659,26 +659,30 @@ class ReplicaRouter(AsyncEngine):
             self._where.pop(out.request_id, None)
             if out.outputs and out.outputs[0].finish_reason in ("stop", "length"):
                 # the replica caches the output's full blocks too: a later turn of the chat hits them
-                self.affinity.record(replica.index, self.affinity.keys(
-                    live.prompt_token_ids + list(out.outputs[0].token_ids)))
+                self.affinity.record(replica.index, self.affinity.extend(
+                    live.keys, live.prompt_token_ids + list(out.outputs[0].token_ids)))
         live.stream._put(out)
 
-    def _update_metrics(self, replica: Replica, outputs: list[RequestOutput]) -> None:
+    def _update_metrics(self, replica: Replica, outputs: list[RequestOutput], total: SimpleNamespace) -> None:
         if self.metrics is not None:
             now = time.time()
             for out in outputs:
                 self.metrics.observe_output(out, now)
-            self.metrics.update_from_stats(self._total_stats())
+            self.metrics.update_from_stats(total)
         self.replica_metrics.update(replica.index, replica.stats)
 
     def _total_stats(self) -> SimpleNamespace:
+        """The replicas' EngineStats as one engine's: every counter and gauge summed, KV usage
+        weighted by blocks, acceptance by position added up, the longest graph capture."""
+        from specserve.engine import EngineStats
+
         stats = [r.stats for r in self.replicas if r.stats is not None]
         total = SimpleNamespace()
-        for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks",
-                     "prompt_tokens_total", "generation_tokens_total", "num_preemptions",
-                     "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
-                     "prefix_cache_hit_tokens"):
-            setattr(total, name, sum(int(getattr(s, name, 0) or 0) for s in stats))
+        for f in dataclasses.fields(EngineStats):
+            values = [getattr(s, f.name) for s in stats]
+            if f.type in ("int", int):
+                setattr(total, f.name, sum(values))
+        total.cuda_graph_capture_seconds = max((s.cuda_graph_capture_seconds for s in stats), default=0.0)
         blocks = total.num_total_blocks
         total.kv_cache_usage = (sum(s.kv_cache_usage * s.num_total_blocks for s in stats) / blocks
                                 if blocks else 0.0)
@@ -691,8 +695,7 @@ class ReplicaRouter(AsyncEngine):
         total.spec_accepted_per_pos = per_pos
         return total
 
-    def _snapshot(self) -> dict[str, Any]:
-        total = self._total_stats()
+    def _snapshot(self, total: SimpleNamespace) -> dict[str, Any]:
         return {"num_free_blocks": total.num_free_blocks,
                 "num_total_blocks": total.num_total_blocks,
                 "kv_cache_usage": total.kv_cache_usage, "num_running": total.num_running,
@@ -726,6 +729,6 @@ class ReplicaRouter(AsyncEngine):
                 live.stream._on_added(dead)
         replica.live.clear()
         replica.prompt_tokens_in_flight = 0
-        self.kv_snapshot = self._snapshot()
+        self.kv_snapshot = self._snapshot(self._total_stats())
         if self.on_death is not None:
             self.on_death(self.error)
