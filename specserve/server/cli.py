@@ -157,7 +157,11 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
             engine = ReplicaEngineView(replicas[0].facts)
         else:
             from specserve.engine import Engine
-            engine = executor.submit(Engine, config).result()
+            try:
+                engine = executor.submit(Engine, config).result()
+            except ValueError as e:  # a configuration the model cannot take (e.g. heads that -tp does not divide)
+                print(f"specserve serve: {e}", file=sys.stderr)
+                return 2
 
     name = args.served_model_name or engine.model_name
     aliases = [a for a in (engine.model_name, args.model) if a and a != name]
