@@ -33,7 +33,6 @@ class CudaGraphs:
         self.forward, self.buffers = forward, buffers
         self.out = torch.zeros(buffers.max_tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
-        self.capture_seconds = 0.0
 
     def _run(self, bucket: Bucket, ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         self.out[:bucket.tokens].copy_(self.forward(ids, positions, meta))
@@ -56,8 +55,7 @@ class CudaGraphs:
                 self._run(bucket, ids, positions, meta)
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
-        self.capture_seconds += time.perf_counter() - start
-        return self.capture_seconds
+        return time.perf_counter() - start
 
     def replay(self, bucket: Bucket) -> torch.Tensor | None:
         """The hidden states [bucket.tokens, hidden] of the step in the buffers, or None when

@@ -139,8 +139,6 @@ class TensorParallel:
     def run(self, op: str, fn, args: tuple):
         """Rank 0: send step `op` with `args` to the workers, then run `fn(*args)` here. An
         error here after the workers have the step leaves them inside it: the group is lost."""
-        if self.workers is None:
-            return fn(*args)
         self.workers.send(op, args)
         try:
             return fn(*args)

@@ -64,7 +64,7 @@ def pick_device(name: str) -> torch.device:
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
     """K and V of every layer for one block of tokens (on one rank of `tp_size`: its KV heads)."""
-    kv_heads = local_heads(arch.num_heads, arch.num_kv_heads, tp_size)[1] if tp_size > 1 else arch.num_kv_heads
+    kv_heads = local_heads(arch.num_heads, arch.num_kv_heads, tp_size)[1]
     return 2 * arch.num_layers * block_size * kv_heads * arch.head_dim * dtype.itemsize
 
 
@@ -107,7 +107,7 @@ class ModelRunner:
         # (compile, graphs) of the step (model/compiled.py); a compiled CPU step uses no C kernel
         self.step_mode = step_mode(self.device, model_config.enforce_eager or tp is not None, self.quantization)
         self.model.finalize_weights(c_kernels=not self.step_mode[0])
-        self.steps, self.graph_capture_seconds = None, 0.0  # see prepare_steps
+        self.steps, self.graph_capture_seconds = None, 0.0  # set by prepare_steps
         self.tp_size = 1 if tp is None else tp.size
         heads, kv_heads = local_heads(arch.num_heads, arch.num_kv_heads, self.tp_size)
         self.backend = get_attention_backend(self.device, self.dtype, (heads, kv_heads, arch.head_dim))
@@ -134,10 +134,9 @@ class ModelRunner:
         """Set up the compiled / graph-captured step (model/compiled.py) where step_mode says
         so, for batches of up to max_num_seqs requests whose longest query is max_width tokens
         (1: decodes only); CUDA graphs are captured here (graph_capture_seconds). Not under
-        tensor parallelism (its ranks run the eager path)."""
+        tensor parallelism: step_mode keeps its ranks on the eager path."""
         compile, graphs = self.step_mode
-        self.steps, self.graph_capture_seconds = None, 0.0
-        if (compile or graphs) and self.tp is None:
+        if compile or graphs:
             from specserve.model.compiled import StepRunner
 
             self.steps = StepRunner(self, max_num_seqs, max_num_batched_tokens, max_width, compile, graphs)

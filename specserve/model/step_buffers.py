@@ -60,10 +60,9 @@ class Bucket:
 class StepBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, max_width: int,
                  block_size: int, null_block: int, device: torch.device) -> None:
-        self.max_tokens, self.max_seqs, self.max_blocks, self.max_width = max_tokens, max_seqs, max_blocks, max_width
+        self.max_tokens, self.max_blocks = max_tokens, max_blocks
         self.block_size, self.null_block = block_size, null_block
         self.null_slot = null_block * block_size
-        self.device = device
         self.words = trees.num_words(max_width)
         shapes = {"ids": ((max_tokens,), torch.int64), "positions": ((max_tokens,), torch.int64),
                   "slots": ((max_tokens,), torch.int64),
