@@ -650,19 +650,10 @@ def _random_prompts(n: int, lengths: tuple[int, int] | int, vocab: int, seed: in
     return out
 
 
-def _has_enforce_eager() -> bool:
-    import dataclasses
-    import inspect
-
-    from specserve.config import EngineConfig, ModelConfig
-
-    return ("enforce_eager" in {f.name for f in dataclasses.fields(ModelConfig)}
-            and "enforce_eager" in inspect.signature(EngineConfig.create).parameters)
-
-
 # ---- parts 3 and 4: the 8B-shaped decode and its step profile ------------------------------
 def _part_decode(s: dict, work: Path, rec: _Recorder) -> None:
     from specserve import LLM
+    from specserve.model.runner import kv_bytes_per_block
 
     torch, cuda, sync = _torch_env(s)
     shape = s["big_shape"]
@@ -670,19 +661,12 @@ def _part_decode(s: dict, work: Path, rec: _Recorder) -> None:
     conc, plen, new = s["concurrency"], s["prompt_len"], s["new_tokens"]
     prompts = _random_prompts(max(conc), plen, shape["vocab_size"], seed=1)
     peak = s["peak_gbps"]
-    modes = []
-    if not _has_enforce_eager():
-        modes.append(("eager", {}, {}))
-        for part in ("decode", "step_profile"):
-            rec.skip(part, "graphs", "not available: this build has no ModelConfig.enforce_eager, "
-                                     "so its only step is the eager one")
+    modes = [("eager", {"enforce_eager": True}, {})]
+    if cuda:
+        modes.append(("graphs", {}, {}))
     else:
-        modes.append(("eager", {"enforce_eager": True}, {}))
-        if cuda:
-            modes.append(("graphs", {}, {}))
-        else:
-            for part in ("decode", "step_profile"):
-                rec.skip(part, "graphs", "CUDA graphs need a CUDA device")
+        for part in ("decode", "step_profile"):
+            rec.skip(part, "graphs", "CUDA graphs need a CUDA device")
     if not peak:
         rec.skip("decode", "roofline", "no peak bandwidth for this device (pass --peak-gbps)")
     rec.put("decode", "settings", {"shape": shape, "dtype": s["decode_dtype"], "concurrency": conc,
@@ -711,11 +695,10 @@ def _part_decode(s: dict, work: Path, rec: _Recorder) -> None:
         runner = engine.runner
         model = runner.model
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        kv_per_token = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"]
-                        * runner.dtype.itemsize)
-        compiled, graphs = getattr(runner, "step_mode", (False, False))
+        kv_per_token = kv_bytes_per_block(runner.arch, 1, runner.dtype)
+        compiled, graphs = runner.step_mode
         row = {"setup_s": round(time.time() - t, 1), "step_mode": {"compiled": bool(compiled), "graphs": bool(graphs)},
-               "graph_capture_s": round(float(getattr(runner, "graph_capture_seconds", 0.0) or 0.0), 2),
+               "graph_capture_s": round(runner.graph_capture_seconds, 2),
                "params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes}
         rec.put("decode", f"{mode}.setup", row)
         if rec.wants("decode"):
@@ -880,7 +863,7 @@ def _part_greedy(s: dict, work: Path, rec: _Recorder) -> None:
                 if name != "plain":
                     drafts = st.spec_num_drafts - d0
                     row["tokens_per_verify"] = round(1 + (st.spec_num_accepted_tokens - a0) / max(1, drafts), 2)
-                row["step_mode"] = list(map(bool, getattr(llm.engine.runner, "step_mode", (False, False))))
+                row["step_mode"] = list(map(bool, llm.engine.runner.step_mode))
                 rec.put("greedy", key, row)
                 del llm
                 _free()
@@ -908,12 +891,11 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 # ---- part 6: the real default model --------------------------------------------------------
 def _spec_bench_questions(n: int) -> list[str]:
     """n first turns of Spec-Bench, round-robin over its categories from each one's end."""
-    path = Path(__file__).resolve().parents[1] / "data" / "spec_bench" / "question.jsonl"
+    from specserve.bench.spec import CATEGORIES, load_prompts
+
     by_cat: dict[str, list[str]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            by_cat.setdefault(row["category"], []).append(row["turns"][0])
+    for cat, turn in load_prompts(list(CATEGORIES), None):
+        by_cat.setdefault(cat, []).append(turn)
     cols = [list(reversed(v)) for v in by_cat.values()]
     out: list[str] = []
     i = 0
