@@ -31,6 +31,16 @@ def attend(backend, b, q_lens, trees=None, rows=None):
                    meta, b["scale"])
 
 
+def one_thread(fn, *args):
+    """fn(*args) with torch (and so the kernel) on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 1, 72)])
 def test_decode_chain_and_tree_rows_match_sdpa(make_batch, heads):
     hq, hkv, d = heads
@@ -88,12 +98,7 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(make_batch):
         part = attend(backend, b, q_lens, trees, rows)
         expect = torch.cat([whole[starts[r]:starts[r + 1]] for r in rows])
         assert torch.equal(part, expect), rows
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(attend(backend, b, q_lens, trees), whole)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(one_thread(attend, backend, b, q_lens, trees), whole)
 
 
 def test_long_contexts_split_into_partitions_keep_every_rows_bits(make_batch):
@@ -114,19 +119,13 @@ def test_long_contexts_split_into_partitions_keep_every_rows_bits(make_batch):
     # the chain's rows one at a time, as decodes of 510 .. 514 keys (one partition, then two)
     singles = []
     for i in range(q_lens[0]):
-        one = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in b.items()}
-        one["seq_lens"] = b["seq_lens"].clone()
+        one = dict(b, seq_lens=b["seq_lens"].clone())
         one["seq_lens"][0] = prefix[0] + i + 1
         one["q"] = torch.cat([b["q"][starts[0] + i:starts[0] + i + 1], b["q"][starts[1]:]])
         one["query_start_loc"] = torch.tensor([0, 1] + [1 + s - starts[1] for s in starts[2:]], dtype=torch.int32)
         singles.append(attend(backend, one, [1] + q_lens[1:], [None] + trees[1:], [0]))
     assert torch.equal(torch.cat(singles), whole[starts[0]:starts[1]])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(attend(backend, b, q_lens, trees), whole)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(one_thread(attend, backend, b, q_lens, trees), whole)
 
 
 def test_auto_picks_the_kernel_for_float32_only(monkeypatch):
