@@ -20,10 +20,17 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specserve.kernels.cpu import layer_ops
 from specserve.model.arch import ModelArch
 from specserve.model.llama import RMSNorm, RotaryEmbedding
+
+
+# SDPA backends for drafting on CUDA: every drafting call has a new key length (the past grows,
+# trees differ), and cuDNN's attention builds an execution plan per new shape (milliseconds
+# each), which PyTorch may pick for bfloat16 on Hopper; the others run any shape as it comes
+DRAFT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class HeadKV:
@@ -144,7 +151,11 @@ class DraftPass:
     def __call__(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:
         """features, embeds [N, hidden]; positions [N] -> predicted next features [N, hidden]."""
-        return self.run(features, embeds, positions, partial(_attend_in_place, segments))
+        attend = partial(_attend_in_place, segments)
+        if features.device.type != "cuda":
+            return self.run(features, embeds, positions, attend)
+        with sdpa_kernel(DRAFT_SDPA_BACKENDS):
+            return self.run(features, embeds, positions, attend)
 
     def run(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """The network over rows [N, hidden], `attend(q [N, H, D], k, v [N, Hkv, D])` giving the
