@@ -66,11 +66,16 @@ class StepRunner:
         self.batch = [b for b in buckets(max(max_seqs, smallest)) if b >= smallest]
         self.widths = buckets(max_width)
         max_seqs, max_tokens = self.batch[-1], max(max_tokens, self.batch[-1])
-        max_blocks = -(-(runner.max_model_len + max_width) // self.block_size) + 1
+        # the mask's words and the table's width as for MAX_WIDTH whatever the speculation (a
+        # plain engine's max_width is one): plain and speculating engines of a model then have
+        # the same graph, and the compiler's cache serves the second one that starts
+        shared = max(max_width, MAX_WIDTH)
+        max_blocks = -(-(runner.max_model_len + shared) // self.block_size) + 1
         self.buffers = StepBuffers(max_tokens, max_seqs, max_blocks, max_width, self.block_size,
-                                   runner.null_block, self.device)
+                                   runner.null_block, self.device, mask_width=shared)
         self.compiled = compile
-        self.counts = {"decode": 0, "verify": 0}  # steps run here, by kind (width 1, or more)
+        # steps run here by kind (width 1, or more), and those that fit no bucket (run eagerly)
+        self.counts = {"decode": 0, "verify": 0, "eager": 0}
         # the step's sizes are marked dynamic (_mark_dynamic): one graph for every bucket (decode
         # and verify steps alike, step_buffers.py), but for sizes of one, which none has when compiled
         self._compiled = torch.compile(self._forward, fullgraph=True) if compile else None
@@ -122,6 +127,7 @@ class StepRunner:
         or None when the step fits no bucket (the caller runs it eagerly)."""
         bucket = self.bucket(query_lens, block_tables)
         if bucket is None:
+            self.counts["eager"] += 1
             return None
         ids_t, positions_t, meta = self.buffers.fill(bucket, ids, positions, seq_lens, query_lens,
                                                      block_tables, tree_parents)

@@ -59,11 +59,12 @@ class Bucket:
 
 class StepBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, max_width: int,
-                 block_size: int, null_block: int, device: torch.device) -> None:
+                 block_size: int, null_block: int, device: torch.device, mask_width: int = 0) -> None:
+        """mask_width: the tree masks hold the bits of max(max_width, mask_width) nodes."""
         self.max_tokens, self.max_blocks = max_tokens, max_blocks
         self.block_size, self.null_block = block_size, null_block
         self.null_slot = null_block * block_size
-        self.words = trees.num_words(max_width)
+        self.words = trees.num_words(max(max_width, mask_width))
         shapes = {"ids": ((max_tokens,), torch.int64), "positions": ((max_tokens,), torch.int64),
                   "slots": ((max_tokens,), torch.int64),
                   "block_tables": ((max_seqs, max_blocks), torch.int32),
