@@ -6,6 +6,7 @@ test: all of its KV blocks must be back in the pool.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -63,8 +64,11 @@ def _blocks_back_in_pool():
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from specserve.config import DEFAULT_MODEL
-    from specserve.model.loader import resolve_model_dir
+    from specserve.model.loader import MODEL_ALIASES, resolve_model_dir
 
+    package = MODEL_ALIASES[DEFAULT_MODEL][0]
+    if importlib.util.find_spec(package) is None:  # a machine set up without it (`make test` installs it)
+        pytest.skip(f"the default model's package {package.replace('_', '-')} is not installed")
     return resolve_model_dir(DEFAULT_MODEL)
 
 
