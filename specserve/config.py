@@ -29,6 +29,9 @@ class ModelConfig:
     quantization: str = "none"  # none | int8 (weight-only, CPU: specserve.model.quant)
     tensor_parallel_size: int = 1  # ranks the target is split across (specserve.model.parallel)
     enforce_eager: bool = False  # no compiled step, no CUDA graphs (specserve.model.compiled)
+    # CUDA: the products through a batch-invariant kernel (model/linear_ops.py), so that a verify
+    # row gets the bits of the same token's decode row (exactly lossless speculation in bfloat16)
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,7 @@ class EngineConfig:
                max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                speculative_config: str | dict | SpecConfig | None = "auto",
                quantization: str | None = None, tensor_parallel_size: int = 1,
-               enforce_eager: bool = False) -> "EngineConfig":
+               enforce_eager: bool = False, batch_invariant: bool = False) -> "EngineConfig":
         if dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         if load_format not in ("auto", "dummy"):
@@ -220,7 +223,8 @@ class EngineConfig:
             else SpecConfig.parse(speculative_config)
         return EngineConfig(
             model=ModelConfig(model or DEFAULT_MODEL, dtype, load_format, max_model_len, device, seed,
-                              quantization, tensor_parallel_size, enforce_eager=bool(enforce_eager)),
+                              quantization, tensor_parallel_size, enforce_eager=bool(enforce_eager),
+                              batch_invariant=bool(batch_invariant)),
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             spec=spec,

@@ -83,3 +83,40 @@ def test_triton_ops_match_the_dense_op():
         kernel = (ops.paged_attention(*args, d ** -0.5, 5) if tree is None
                   else ops.tree_attention(*args, tree, d ** -0.5, 5))
         assert torch.allclose(kernel.float(), dense.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_drafting_attention_builds_no_cudnn_plans():
+    """EAGLE's drafting passes see a new key length every call: in bfloat16 none may go to
+    cuDNN's attention (an execution plan built per new shape), and the result is SDPA's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specserve.model.arch import ModelArch
+    from specserve.spec_decode.eagle_head import DraftPass, EagleHead, HeadKV, Segment
+    from tests.test_eagle_medusa import HEAD
+
+    torch.manual_seed(0)
+    head = EagleHead(ModelArch.from_dict({**HEAD, "hidden_size": 256, "num_attention_heads": 4,
+                                          "num_key_value_heads": 2}))
+    head = head.to("cuda", torch.bfloat16)
+    draft, kv, past = DraftPass(head, lambda w, b: (lambda x: torch.nn.functional.linear(x, w, b))), HeadKV(), 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for rows in (37, 3, 5, 2, 7):  # a prompt, then trees of a few nodes, every length new
+            feats = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+            out = draft(feats, feats, torch.arange(past, past + rows, device="cuda"), [Segment(kv, past, rows, None)])
+            assert out.shape == (rows, 256) and torch.isfinite(out.float()).all()
+            past += rows
+        torch.cuda.synchronize()
+    names = [e.key.lower() for e in prof.key_averages()]
+    assert not [n for n in names if "cudnn" in n], names
+
+
+def test_batch_invariant_bfloat16_speculation_is_lossless(make_llm, tiny_model_dir):
+    """--batch-invariant in bfloat16 on CUDA: ngram's verify steps (graph-replayed, batches of
+    several requests) give plain decoding's tokens exactly."""
+    args = {**ARGS, "dtype": "bfloat16", "batch_invariant": True}
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = make_llm(str(tiny_model_dir), **{**args, "speculative_config": None})
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    spec = make_llm(str(tiny_model_dir), **args)
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
+    assert spec.engine.stats.spec_num_drafts > 0

@@ -1,7 +1,9 @@
-"""Our kernels, one subpackage per path, and the dispatch of the attention and KV-cache ops.
+"""Our kernels, one subpackage per path, and the dispatch of the attention, KV-cache and
+batch-invariant linear ops.
 
 * ``specserve.kernels.triton``: the GPU's Triton kernels (paged and tree attention,
-  KV-cache writes), each op beside a plain PyTorch reference with the same signature.
+  KV-cache writes, the batch-invariant linear layer), each op beside a plain PyTorch
+  reference with the same signature.
 * ``specserve.kernels.cpu``: the CPU's C kernels for x86 with AVX2/FMA (linear layers,
   a layer's small ops, paged attention, greedy verification), built at first use by
   ``cbuild``; the model, sampling and the speculative methods call them directly where
@@ -25,6 +27,7 @@ import torch
 from specserve.env import env_str
 
 from .triton.kv_write import compact_kv_ref, compact_kv_triton, write_kv_ref, write_kv_triton
+from .triton.matmul import linear_invariant_ref, linear_invariant_triton
 from .triton.paged_attention import HAS_TRITON, paged_attention_ref, paged_attention_triton
 from .triton.tree_attention import (
     causal_tree_mask,
@@ -43,6 +46,7 @@ __all__ = [
     "tree_mask_from_parents", "causal_tree_mask", "pack_tree_mask", "unpack_tree_mask",
     "write_kv", "write_kv_ref", "write_kv_triton",
     "compact_kv", "compact_kv_ref", "compact_kv_triton",
+    "linear_invariant", "linear_invariant_ref", "linear_invariant_triton",
 ]
 
 
@@ -80,3 +84,8 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 def compact_kv(k_cache, v_cache, src_slots, dst_slots) -> None:
     fn = compact_kv_triton if use_triton(k_cache.device) else compact_kv_ref
     fn(k_cache, v_cache, src_slots, dst_slots)
+
+
+def linear_invariant(x, weight, bias=None) -> torch.Tensor:
+    fn = linear_invariant_triton if use_triton(x.device) else linear_invariant_ref
+    return fn(x, weight, bias)

@@ -35,6 +35,7 @@ class Linear(nn.Linear):
 
     pad_single_row = False
     packed = None  # a cpu_linear.PackedFloat32, see finalize_weights
+    invariant = False  # through specserve::linear_invariant (CUDA, --batch-invariant): see use_invariant_products
 
     def pack(self) -> None:
         """Move the weights into our kernel's layout, in GGUF's Q4_1 or Q8_0 blocks where
@@ -48,6 +49,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
+        if self.invariant:
+            return torch.ops.specserve.linear_invariant(x, self.weight, self.bias)
         if self.pad_single_row and x.shape[0] == 1:
             return F.linear(torch.cat((x, x)), self.weight, self.bias)[:1]
         return F.linear(x, self.weight, self.bias)
@@ -225,6 +228,17 @@ class LlamaForCausalLM(nn.Module):
 
         quantize_linears(self.layers)
         self.lm_head_kernel = Int8Linear.from_linear(self.lm_head)
+
+    def use_invariant_products(self) -> None:
+        """Every product, the LM head's too, through the batch-invariant kernel
+        (specserve::linear_invariant, model/linear_ops.py): a row's bits then never depend on
+        the rows beside it, which cuBLAS's choice of kernel by row count does not give."""
+        import specserve.model.linear_ops  # noqa: F401 (registers the op)
+
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.invariant = True
+        self.lm_head_t = None  # (the LM head through its Linear)
 
     def finalize_weights(self, c_kernels: bool = True) -> None:
         """Call once the weights are final (loaded and cast). c_kernels False: none of our C

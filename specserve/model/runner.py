@@ -107,6 +107,8 @@ class ModelRunner:
         # (compile, graphs) of the step (model/compiled.py); a compiled CPU step uses no C kernel
         self.step_mode = step_mode(self.device, model_config.enforce_eager or tp is not None, self.quantization)
         self.model.finalize_weights(c_kernels=not self.step_mode[0])
+        if model_config.batch_invariant and self.device.type == "cuda":
+            self.model.use_invariant_products()
         self.steps, self.graph_capture_seconds = None, 0.0  # set by prepare_steps
         self.tp_size = 1 if tp is None else tp.size
         heads, kv_heads = local_heads(arch.num_heads, arch.num_kv_heads, self.tp_size)
