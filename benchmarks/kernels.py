@@ -213,6 +213,9 @@ def run(args):
     return rows, summary
 
 
+FLEX_FAILED: dict[str, str] = {}  # flex variants that failed to compile, with why
+
+
 def bench_flex(bench, notes, flex, Bt, ctx, n, prefix, anc, qd, k, v, scale, ref, args, dev):
     """flex_attention at the tree masks, trying the variants a torch build may need in turn:
     the default dispatch (for fewer than 128 queries: its decoding kernel), then its main kernel
@@ -244,10 +247,14 @@ def bench_flex(bench, notes, flex, Bt, ctx, n, prefix, anc, qd, k, v, scale, ref
         variants.append(("K/V expanded, no GQA", lambda: flex(qd, kx, vx, block_mask=bm, scale=scale)))
     failures = []
     for name, fn in variants:
+        if name in FLEX_FAILED:  # failed to compile at an earlier case: not tried again (each try compiles)
+            failures.append(f"{name}: {FLEX_FAILED[name]} (at an earlier case)")
+            continue
         try:
             fn()  # compile outside bench(), so a failure names the variant
         except Exception as e:
             failures.append(f"{name}: {first_line(e)}")
+            FLEX_FAILED[name] = first_line(e)
             print(f"[warn] flex ({name}) B={Bt} ctx={ctx} n={n}: {first_line(e)}", file=sys.stderr)
             continue
         if bench("tree", "flex", Bt, ctx, n, fn, ref) is not None:

@@ -65,6 +65,9 @@ LOG2E = 1.4426950408889634
 PARTITION_SIZE = 256
 # Query rows (tokens x heads of one GQA group) per program: a constant for the same reason.
 BLOCK_M = 64
+# Per head size: keys per tile, warps, pipeline stages. Constants of every launch (a row's bits
+# must not depend on the step it is in); benchmarks/attention_tune.py times alternatives on a GPU.
+CONFIG = {64: dict(block_n=64, num_warps=4, num_stages=2), 128: dict(block_n=32, num_warps=8, num_stages=2)}
 # Launch-mode heuristics (speed only: both modes give the same bits).
 SPLIT_MAX_QUERY = 128  # longest query of a step that may run split
 SPLIT_MAX_BYTES = 256 << 20  # largest partial buffers (float32 m, l, acc) a step may allocate
@@ -350,7 +353,8 @@ def launch_paged_attn(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     group = Hq // Hkv
     group_p2 = _next_pow2(group)
     block_q = max(BLOCK_M, group_p2) // group_p2  # BLOCK_Q * GROUP_P2 rows: fixed per (Hq, Hkv)
-    block_n = max(block_size, 64 if D <= 64 else 32)
+    tile = CONFIG.get(D) or CONFIG[128 if D > 64 else 64]
+    block_n = max(block_size, tile["block_n"])
     # The table holds every block of the longest context: an upper bound without a host sync.
     num_parts = triton.cdiv(block_tables.shape[1] * block_size, PARTITION_SIZE)
     if split is None:
@@ -367,7 +371,7 @@ def launch_paged_attn(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
               block_tables.stride(0), stride_mt)
     meta = dict(GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_SIZE=block_size,
                 BLOCK_N=block_n, PARTITION=PARTITION_SIZE, TREE_MASK=tree_mask is not None,
-                num_warps=4 if D <= 64 else 8, num_stages=2)
+                num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     if not split:
         grid = (triton.cdiv(max_query_len, block_q), Hkv, B)
         _attn_fused_kernel[grid](out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, mask_arg,

@@ -1,0 +1,179 @@
+"""Time the Triton paged/tree attention kernel's launch constants on a GPU, against SDPA.
+
+The kernel (specserve/kernels/triton/paged_attention.py) launches with constants fixed for
+every step -- the query rows a program holds (BLOCK_M), the keys per partition (PARTITION_SIZE),
+and per head size the keys per tile, warps and pipeline stages (CONFIG) -- because a row's bits
+must not depend on the batch it is in. Which values are fastest is a property of the GPU. This
+script times each combination of the candidates below on decode cases (one query per request)
+and tree cases (a 64-node tree per request), each against PyTorch SDPA on the same data (flash
+for decode, a dense mask for trees), and prints per combination the geometric mean of "SDPA time
+/ ours" over the cases, best first, with the per-case figures in OUT/attention_tune.json.
+
+    python benchmarks/attention_tune.py --out DIR                       # the default grid (~2-4 min on an H100)
+    python benchmarks/attention_tune.py --block-n 32,64 --stages 2,3 --block-m 16,64 --warps 4,8
+    python benchmarks/attention_tune.py --device cpu --quick            # a smoke run under the interpreter
+
+Set the winner in paged_attention.py (CONFIG, BLOCK_M, PARTITION_SIZE) and run
+tests/kernels/triton (the invariance tests hold for any constants).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def parse_args(argv=None):
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--block-n", type=ints, default=[32, 64, 128], help="keys per tile")
+    p.add_argument("--warps", type=ints, default=[4, 8])
+    p.add_argument("--stages", type=ints, default=[2, 3])
+    p.add_argument("--block-m", type=ints, default=[16, 64], help="query rows per program")
+    p.add_argument("--partition", type=ints, default=[256, 512], help="keys per partition")
+    p.add_argument("--cases", default="decode:1:1024,decode:1:16384,decode:16:4096,decode:64:16384,"
+                                      "tree:1:4096,tree:16:4096",
+                   help="kind:requests:context, comma-separated")
+    p.add_argument("--tree-size", type=int, default=64)
+    p.add_argument("--num-q-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--quick", action="store_true", help="two combinations, tiny shapes (a smoke run)")
+    p.add_argument("--out", default="benchmarks/out")
+    return p.parse_args(argv)
+
+
+def _cases(args):
+    out = []
+    for text in args.cases.split(","):
+        kind, b, ctx = text.split(":")
+        out.append((kind, int(b), int(ctx)))
+    return out
+
+
+def run(args) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from benchmarks.kernels import make_case, random_tree
+    from specserve.kernels.triton import paged_attention as pa
+    from specserve.kernels.triton.tree_attention import num_mask_words, tree_ancestors, tree_mask_from_parents
+
+    dev = args.device
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    if args.quick:
+        args.num_q_heads, args.num_kv_heads, args.head_dim, args.tree_size = 4, 2, 64, 8
+        args.cases = "decode:1:300,tree:1:300"
+        args.block_n, args.warps, args.stages, args.block_m, args.partition = [64], [4], [2], [16, 64], [256]
+    D = args.head_dim
+
+    def timed(fn):
+        if dev == "cuda":
+            import triton.testing
+
+            return triton.testing.do_bench(fn, warmup=10, rep=50)
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    gen = torch.Generator().manual_seed(0)
+    data = []  # (case, ours(fn), baseline ms)
+    for kind, B, ctx in _cases(args):
+        n = 1 if kind == "decode" else args.tree_size
+        paged, (qd, k, v) = make_case(B, ctx, n, args, dtype, dev)
+        if kind == "decode":
+            def base(qd=qd, k=k, v=v, s=paged["scale"]):
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                    return F.scaled_dot_product_attention(qd, k, v, scale=s, enable_gqa=True)
+
+            def ours(p=paged):
+                return pa.paged_attention_triton(**p, max_query_len=1)
+        else:
+            parents = [random_tree(n, gen) for _ in range(B)]
+            tmask = torch.cat([tree_mask_from_parents(p, num_mask_words(n)) for p in parents]).to(dev)
+            dense = torch.ones(B, 1, n, ctx, dtype=torch.bool, device=dev)
+            dense[:, 0, :, ctx - n:] = torch.stack([tree_ancestors(p) for p in parents]).to(dev)
+
+            def base(qd=qd, k=k, v=v, m=dense, s=paged["scale"]):
+                return F.scaled_dot_product_attention(qd, k, v, attn_mask=m, scale=s, enable_gqa=True)
+
+            def ours(p=paged, t=tmask, n=n):
+                return pa.launch_paged_attn(**p, max_query_len=n, tree_mask=t)
+        data.append(((kind, B, ctx), ours, timed(base)))
+        print(f"[tune] {kind} {B} x {ctx}: SDPA {data[-1][2] * 1e3:.1f} us", flush=True)
+
+    saved = (dict(pa.CONFIG[D]), pa.BLOCK_M, pa.PARTITION_SIZE)
+    results = []
+    combos = list(itertools.product(args.block_n, args.warps, args.stages, args.block_m, args.partition))
+    print(f"[tune] {len(combos)} combinations x {len(data)} cases", flush=True)
+    try:
+        for i, (block_n, warps, stages, block_m, part) in enumerate(combos):
+            if block_n < args.block_size or part % block_n or part < args.block_size:
+                continue
+            pa.CONFIG[D] = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+            pa.BLOCK_M, pa.PARTITION_SIZE = block_m, part
+            row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "block_m": block_m,
+                   "partition": part, "cases": {}}
+            try:
+                for (kind, B, ctx), ours, base_ms in data:
+                    ours()  # compile outside the timing
+                    ms = timed(ours)
+                    row["cases"][f"{kind}:{B}:{ctx}"] = {"us": round(ms * 1e3, 1), "vs_sdpa": round(base_ms / ms, 3)}
+                ratios = [c["vs_sdpa"] for c in row["cases"].values()]
+                row["geomean_vs_sdpa"] = round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 3)
+                row["min_vs_sdpa"] = min(ratios)
+            except Exception as e:  # a combination that does not compile (shared memory, ...)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            results.append(row)
+            print(f"[tune] {i + 1}/{len(combos)} block_n {block_n} warps {warps} stages {stages} "
+                  f"block_m {block_m} partition {part}: "
+                  + (row.get("error") or f"geomean {row['geomean_vs_sdpa']}x, min {row['min_vs_sdpa']}x SDPA"),
+                  flush=True)
+    finally:
+        pa.CONFIG[D], pa.BLOCK_M, pa.PARTITION_SIZE = saved
+    ok = sorted((r for r in results if "error" not in r), key=lambda r: -r["geomean_vs_sdpa"])
+    print("\nbest first (SDPA time / ours; > 1: ours faster)")
+    names = list(ok[0]["cases"]) if ok else []
+    print(f"{'block_n':>7s} {'warps':>5s} {'stages':>6s} {'block_m':>7s} {'part':>5s} {'geomean':>8s} "
+          + " ".join(f"{n:>16s}" for n in names))
+    for r in ok[:12]:
+        print(f"{r['block_n']:7d} {r['num_warps']:5d} {r['num_stages']:6d} {r['block_m']:7d} {r['partition']:5d} "
+              f"{r['geomean_vs_sdpa']:8.3f} " + " ".join(f"{r['cases'][n]['vs_sdpa']:16.3f}" for n in names))
+    print(f"(now: {saved[0]}, BLOCK_M {saved[1]}, PARTITION_SIZE {saved[2]})")
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("attention_tune.py: no CUDA device (use --device cpu --quick for a smoke run)", file=sys.stderr)
+            return 2
+    results = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "attention_tune.json")
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "results": results}, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
