@@ -12,19 +12,22 @@ that a part which fails, hangs or poisons the CUDA context is recorded (status "
 3. decode: a Llama-3-8B-shaped model (hidden 4096, 32 layers, 32/8 heads, intermediate
    14336, vocab 128256), random bf16 weights drawn on the device, decoding 128 tokens after
    128-token prompts at 1/16/64 in flight, eager (`enforce_eager=True`) against the default
-   step (compiled, CUDA graphs): tok/s, ms per step, and the share of the HBM roofline (all
-   weight bytes, plus each request's K/V at its mean context, once per step, over the peak
+   step (compiled, CUDA graphs) and the default step with `batch_invariant` (its products
+   through our batch-invariant kernel): tok/s, ms per step, and the share of the HBM roofline
+   (all weight bytes, plus each request's K/V at its mean context, once per step, over the peak
    bandwidth). Where the step is uncompiled-only on this build, the graphs run is retried with
    SPECSERVE_COMPILE=0.
 4. step_profile: the same model under torch.profiler for 24 decode steps of one request, each
    mode: wall time per step, GPU-busy time per step, kernel launches (and graph launches) per
-   step, the top kernels.
+   step, the host's time in graph launches, the top kernels.
 5. greedy: a SmolLM2-135M-shaped model with random weights, greedy plain vs ngram vs eagle
-   (the shipped head) at batch 1, 8 and 16, bf16 and fp32: tokens that differ from plain decoding
-   (speculation is lossless, so 0), tok/s.
+   (the shipped head) at batch 1, 8 and 16, bf16, fp32 and bf16 with `batch_invariant`
+   (`--greedy-dtypes`): tokens that differ from plain decoding (speculation is lossless, so 0),
+   tok/s.
 6. real_model: the default model (its GGUF converted), plain vs ngram vs eagle at 1/4/16/64
    in flight on Spec-Bench questions as chat, 128 tokens, greedy: tok/s, speedup over plain,
-   tokens per verify step, outputs that differ from plain's. Skipped, with the reason, when
+   tokens per verify step, outputs that differ from plain's, steps that ran eagerly or failed,
+   and each speculative method's steps profiled at one request. Skipped, with the reason, when
    the model's package or `gguf` is missing.
 
 Peak bandwidth: `--peak-gbps`, else by device name (H200 4800 GB/s, H100 SXM 3350, ...;
@@ -166,7 +169,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="real_model: requests in flight (default 1,4,16,64; --quick 1,2)")
     parser.add_argument("--real-dtypes", type=_names, default=None,
                         help="real_model: dtypes to run (default bfloat16, float32 on a CPU; "
-                             "bfloat16,float32 for both)")
+                             "bfloat16,float32 for both; DTYPE+invariant: with --batch-invariant)")
+    parser.add_argument("--greedy-dtypes", type=_names, default=None,
+                        help="greedy: dtypes to run (default bfloat16,float32,bfloat16+invariant; "
+                             "--quick bfloat16,float32)")
     parser.add_argument("--real-model", default=None,
                         help="real_model: the model (default: the default model)")
     parser.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)  # GROUP OPTS_JSON
@@ -192,7 +198,7 @@ def settings(args: argparse.Namespace, device: str) -> dict:
         # greedy (SmolLM2 shape)
         "smol_shape": QUICK_SMOL if quick else SMOLLM2_135M,
         # "+invariant": the same dtype with batch_invariant (--batch-invariant, CUDA only)
-        "greedy_dtypes": ["bfloat16", "float32"] + ([] if quick else ["bfloat16+invariant"]),
+        "greedy_dtypes": args.greedy_dtypes or (["bfloat16", "float32"] + ([] if quick else ["bfloat16+invariant"])),
         "greedy_batches": [1, 4] if quick else [1, 8, 16],
         "greedy_tokens": 12 if quick else 96,
         # real model
@@ -294,7 +300,7 @@ def _command(args: argparse.Namespace) -> str:
         if value is not None:
             words += [flag, str(value)]
     for flag, value in (("--concurrency", args.concurrency), ("--real-concurrency", args.real_concurrency),
-                        ("--real-dtypes", args.real_dtypes)):
+                        ("--real-dtypes", args.real_dtypes), ("--greedy-dtypes", args.greedy_dtypes)):
         if value is not None:
             words += [flag, ",".join(map(str, value))]
     return " ".join(words)
@@ -724,7 +730,7 @@ def _part_decode(s: dict, work: Path, rec: _Recorder) -> None:
             except Exception as e:
                 rec.put("decode", f"{mode}.run", {"error": _one_line(e), "traceback": traceback.format_exc()[-1500:]})
                 _drain(engine)
-        if rec.wants("step_profile"):
+        if rec.wants("step_profile") and mode != "graphs_invariant":  # (its cost is in the decode rows)
             try:
                 rec.put("step_profile", mode, _profile(engine, prompts[0], s["profile_steps"], cuda, sync, torch))
             except Exception as e:
@@ -816,10 +822,25 @@ def _profile(engine, prompt: list[int], steps: int, cuda: bool, sync, torch) -> 
     for _ in range(6):  # prefill and a few decode steps first
         engine.step()
     sync()
+    graphs = getattr(getattr(engine.runner, "steps", None), "graphs", None)
+    replay_host = []  # host seconds of each graph launch (the call returns before the GPU is done)
+    if graphs is not None:
+        replay = graphs.replay
+
+        def timed_replay(bucket):
+            t0 = time.perf_counter()
+            out = replay(bucket)
+            replay_host.append(time.perf_counter() - t0)
+            return out
+        graphs.replay = timed_replay
     t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
+    try:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    finally:
+        if graphs is not None:
+            del graphs.replay  # the class's method again
     wall = (time.perf_counter() - t) / steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -830,6 +851,8 @@ def _profile(engine, prompt: list[int], steps: int, cuda: bool, sync, torch) -> 
         engine.step()
     events = prof.key_averages()
     row = {"steps": steps, "wall_ms": round(1000 * wall, 3)}
+    if replay_host:
+        row["graph_launch_host_ms"] = round(1000 * sum(replay_host) / steps, 3)
     cpu_top = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
                      key=lambda e: -e.self_cpu_time_total)[:8]
     row["top_host_ops_ms_per_step"] = [[e.key[:60], round(e.self_cpu_time_total / 1000 / steps, 3)] for e in cpu_top]
@@ -1132,6 +1155,9 @@ def _md_profile(parts: dict) -> list[str]:
                    f"{_fmt(v.get('graph_launches_per_step'), 2)} |")
         notes += [f"- {mode}, {k} skipped: {why}" for k, why in (v.get("skipped") or {}).items()]
     for mode, v in modes.items():
+        if v.get("graph_launch_host_ms") is not None:
+            out.append(f"- {mode}: host time in graph launches {v['graph_launch_host_ms']} ms/step "
+                       "(timed without the profiler)")
         if v.get("top_kernels_ms_per_step"):
             out.append(f"- {mode}, top kernels (ms/step): "
                        + ", ".join(f"{name} {ms}" for name, ms in v["top_kernels_ms_per_step"][:5]))
