@@ -23,9 +23,7 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -65,7 +63,7 @@ def run(args) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from benchmarks.kernels import make_case, random_tree
+    from benchmarks.kernels import make_case, random_tree, time_ms
     from specserve.kernels.triton import paged_attention as pa
     from specserve.kernels.triton.tree_attention import num_mask_words, tree_ancestors, tree_mask_from_parents
 
@@ -78,16 +76,7 @@ def run(args) -> list[dict]:
     D = args.head_dim
 
     def timed(fn):
-        if dev == "cuda":
-            import triton.testing
-
-            return triton.testing.do_bench(fn, warmup=10, rep=50)
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return time_ms(fn, dev, warmup=10, rep=50, cpu_reps=2)
 
     gen = torch.Generator().manual_seed(0)
     data = []  # (case, ours(fn), baseline ms)
@@ -112,7 +101,7 @@ def run(args) -> list[dict]:
 
             def ours(p=paged, t=tmask, n=n):
                 return pa.launch_paged_attn(**p, max_query_len=n, tree_mask=t)
-        data.append(((kind, B, ctx), ours, timed(base)))
+        data.append(((kind, B, ctx), ours, timed(base), ours()))  # the shipped constants' output
         print(f"[tune] {kind} {B} x {ctx}: SDPA {data[-1][2] * 1e3:.1f} us", flush=True)
 
     saved = (dict(pa.CONFIG[D]), pa.BLOCK_M, pa.PARTITION_SIZE)
@@ -128,8 +117,10 @@ def run(args) -> list[dict]:
             row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "block_m": block_m,
                    "partition": part, "cases": {}}
             try:
-                for (kind, B, ctx), ours, base_ms in data:
-                    ours()  # compile outside the timing
+                for (kind, B, ctx), ours, base_ms, want in data:
+                    err = float((ours().float() - want.float()).abs().max())  # (compiled outside the timing)
+                    if not err <= (2e-2 if dtype == torch.bfloat16 else 1e-4):
+                        raise ValueError(f"{kind} {B} x {ctx}: output off by {err:.3g} from the shipped constants'")
                     ms = timed(ours)
                     row["cases"][f"{kind}:{B}:{ctx}"] = {"us": round(ms * 1e3, 1), "vs_sdpa": round(base_ms / ms, 3)}
                 ratios = [c["vs_sdpa"] for c in row["cases"].values()]

@@ -71,6 +71,21 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+def time_ms(fn, dev, warmup=25, rep=100, cpu_reps=3) -> float:
+    """Milliseconds of one call of fn: triton's do_bench on CUDA, the median of a few calls on
+    a CPU (the interpreter: a smoke run, not a timing)."""
+    if dev == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep)
+    times = []
+    for _ in range(cpu_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def make_case(B, ctx, n_q, args, dtype, dev):
     """Paged cache with shuffled blocks + the same K/V gathered contiguously."""
     bs, Hkv, D, Hq = args.block_size, args.num_kv_heads, args.head_dim, args.num_q_heads
@@ -131,16 +146,7 @@ def run(args):
     rows, notes = [], {}  # notes[(kind, impl, B, ctx, n)] = why it has no figure
 
     def timed(fn):
-        if dev == "cuda":
-            import triton.testing
-
-            return triton.testing.do_bench(fn, warmup=25, rep=100)
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return time_ms(fn, dev)
 
     def bench(kind, impl, B, ctx, n_q, fn, ref=None):
         try:

@@ -1,5 +1,6 @@
-"""benchmarks/kernels.py's smoke run on the CPU (kernels interpreted, flex skipped): it runs
-end to end and its summary compares every case with SDPA and says why flex has no figure."""
+"""benchmarks/kernels.py's and benchmarks/attention_tune.py's smoke runs on the CPU (kernels
+interpreted, flex skipped): they run end to end, the sweep's summary compares every case with
+SDPA and says why flex has no figure, the tuning run times every combination it may."""
 import importlib.util
 import json
 from pathlib import Path
@@ -31,3 +32,19 @@ def test_kernel_benchmark_smoke_run(tmp_path):
     assert others and max(r["max_abs_err"] for r in others) < 1e-4  # baselines agree with ours
     assert bench.device_peak_gbps("NVIDIA H200") == 4800 and bench.device_peak_gbps("NVIDIA H100 80GB HBM3") == 3350
     assert bench.device_peak_gbps("Some GPU") is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on CUDA run the script itself")
+def test_attention_tuning_smoke_run(tmp_path):
+    from specserve.kernels.triton import paged_attention as pa
+
+    spec = importlib.util.spec_from_file_location("attention_tune", BENCH.parent / "attention_tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    shipped = (dict(pa.CONFIG[64]), pa.BLOCK_M, pa.PARTITION_SIZE)
+    assert tune.main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "attention_tune.json").read_text())["results"]
+    assert [r["block_m"] for r in results] == [16, 64]
+    assert all("error" not in r and r["geomean_vs_sdpa"] > 0 and len(r["cases"]) == 2 for r in results)
+    assert (pa.CONFIG[64], pa.BLOCK_M, pa.PARTITION_SIZE) == shipped  # put back after the run
