@@ -17,7 +17,7 @@ from specserve.kernels.triton.tree_attention import tree_attention_ref
 from specserve.model import tree_mask as trees
 from specserve.model.attention import OpAttention, get_attention_backend
 from specserve.model.attention.ops import dense_attention_ref
-from specserve.model.compiled import StepRunner, step_mode
+from specserve.model.compiled import StepRunner, _layer_forward, step_mode
 from specserve.model.step_buffers import Bucket, StepBuffers, bucket_of, buckets
 from specserve.request import Request
 from specserve.scheduler.scheduler import SchedulerOutput
@@ -219,18 +219,33 @@ def _sample_steps(steps):
     return decode, tree
 
 
-def _explain(steps, step):
+def _layer_calls(steps, step) -> list[tuple]:
+    """The arguments of a step's first two decoder-layer calls (the first has no residual yet),
+    the layers run eagerly."""
+    calls = []
+
+    def record(*args):
+        calls.append(args)
+        return _layer_forward(*args)
+    ids, positions, meta = step
+    steps.model(ids, positions, steps.kv, meta, steps.backend, layer_fn=record)
+    return calls[:2]
+
+
+def _explain(args):
     with torch._dynamo.config.patch(capture_scalar_outputs=False, capture_dynamic_output_shape_ops=False):
-        return torch._dynamo.explain(steps._forward)(*step)
+        return torch._dynamo.explain(_layer_forward)(*args)
 
 
 @torch.inference_mode()
-def test_the_step_is_one_graph_without_host_syncs(compiled_llm, monkeypatch):
+def test_each_layer_is_one_graph_without_host_syncs(compiled_llm, monkeypatch):
+    """The compiled region (a decoder layer: norms, products, rotary, attention ops, MLP) is
+    one graph with no break, in a decode step and in a tree step, with and without the residual
+    it is handed; and the check catches a host sync (a value read from a tensor)."""
     steps = compiled_llm.engine.runner.steps
-    decode, tree = _sample_steps(steps)
-    found = [_explain(steps, step) for step in (decode, tree)]
-    assert [(e.graph_count, e.graph_break_count) for e in found] == [(1, 0), (1, 0)]
-    # the check catches a host sync: a value read from a tensor breaks the graph
+    found = [_explain(args) for step in _sample_steps(steps) for args in _layer_calls(steps, step)]
+    assert [(e.graph_count, e.graph_break_count) for e in found] == [(1, 0)] * 4
+    decode_args = _layer_calls(steps, _sample_steps(steps)[0])[1]
     call = OpAttention.__call__
 
     def syncing(self, q, k, v, k_cache, v_cache, meta, scale):
@@ -243,9 +258,27 @@ def test_the_step_is_one_graph_without_host_syncs(compiled_llm, monkeypatch):
     try:
         with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)), \
                 torch._dynamo.config.patch(capture_scalar_outputs=False):
-            torch.compile(steps._forward, fullgraph=True, backend="eager")(*decode)
+            torch.compile(_layer_forward, fullgraph=True, backend="eager")(*decode_args)
     finally:
         torch._dynamo.reset()
+
+
+@torch.inference_mode()
+def test_one_compiled_graph_serves_every_layer_and_bucket(tiny_model_dir, make_llm, monkeypatch):
+    """Regional compilation: after decodes, verifies and prefill chunks of several buckets
+    through every layer, the layer's code holds at most two compiled graphs (the first layer,
+    which has no residual yet, and the others), not one per layer or per bucket."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    monkeypatch.setenv("SPECSERVE_COMPILE", "1")
+    llm = make_llm(str(tiny_model_dir), max_model_len=256, num_blocks=64, max_num_seqs=4,
+                   max_num_batched_tokens=64, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                                  "adaptive": False})
+    prompts = ["one two three one two three one two", "a b c d a b c d a b c d", "x"]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    steps = llm.engine.runner.steps
+    assert steps.counts["decode"] > 0 and steps.counts["verify"] > 0
+    assert 1 <= len(_debug_get_cache_entry_list(steps.layer_fn.__code__)) <= 2
 
 
 def test_compiled_step_gives_the_eager_tokens(eager_llm, compiled_llm):

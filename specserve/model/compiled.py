@@ -1,5 +1,6 @@
-"""The compiled step: the target's forward over static step buffers, compiled by
-torch.compile (inductor) and, on CUDA, replayed from CUDA graphs.
+"""The compiled step: the target's forward over static step buffers, its decoder layers
+compiled by torch.compile (inductor; one compiled layer serves every layer) and, on CUDA, the
+whole step replayed from CUDA graphs.
 
 `StepRunner.forward` takes a step the runner has flattened (ids, rotary positions, context
 lengths, query lengths, block tables, draft trees), pads it to a bucket (step_buffers.py),
@@ -18,12 +19,17 @@ What runs where (`step_mode`):
   is there to test the compiled step without a GPU.
 * Never with int8 weights (their products are C kernels).
 
-Inside the compiled region nothing reads an environment variable or a value from the device,
-and every op's metadata is a tensor: `fullgraph=True` holds (tests/test_compiled_step.py).
+Inside the compiled region (a decoder layer) nothing reads an environment variable or a value
+from the device, and every op's metadata is a tensor: `fullgraph=True` holds
+(tests/test_compiled_step.py). Compiling a layer rather than the whole forward makes the
+compiler's work one layer's: an engine starts in about half the time at 30 layers on a CPU
+(docs/benchmarks.md); under CUDA graphs the eager code between layers costs nothing (the replay
+runs no Python).
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 
 import torch
@@ -76,9 +82,16 @@ class StepRunner:
         self.compiled = compile
         # steps run here by kind (width 1, or more), and those that fit no bucket (run eagerly)
         self.counts = {"decode": 0, "verify": 0, "eager": 0}
-        # the step's sizes are marked dynamic (_mark_dynamic): one graph for every bucket (decode
-        # and verify steps alike, step_buffers.py), but for sizes of one, which none has when compiled
-        self._compiled = torch.compile(self._forward, fullgraph=True) if compile else None
+        # Compiled per decoder layer (regional): every layer runs the same code on tensors of the
+        # same shapes, so one compiled graph serves them all (two: the first layer has no residual
+        # yet), and compiling takes a layer's time, not the model's; the embedding, the rotary
+        # table and the last norm run eagerly between (captured in the same CUDA graph). The step's
+        # sizes are marked dynamic (_mark_dynamic): one graph for every bucket (decode and verify
+        # steps alike, step_buffers.py), but for sizes of one, which none has when compiled.
+        # (a code object of its own: torch.compile keeps a function's graphs on its code object, so
+        # engines of other shapes in one process do not add up to its recompile limit)
+        self.layer_fn = _own_copy(_layer_forward)
+        self._layer = _dynamic_rows(torch.compile(self.layer_fn, fullgraph=True)) if compile else None
         self.graphs = None
         if graphs:
             from specserve.model.cuda_graphs import CudaGraphs
@@ -86,14 +99,13 @@ class StepRunner:
             self.graphs = CudaGraphs(self.run, self.buffers, runner.arch.hidden_size, runner.dtype, self.device)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        return self.model(ids, positions, self.kv, meta, self.backend)
+        return self.model(ids, positions, self.kv, meta, self.backend, layer_fn=self._layer)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The forward of a filled bucket -> hidden states [bucket tokens, hidden]."""
-        if self._compiled is None:
-            return self._forward(ids, positions, meta)
-        _mark_dynamic(ids, positions, meta, columns=self.graphs is None)
-        return self._compiled(ids, positions, meta)
+        if self.compiled:
+            _mark_dynamic(ids, positions, meta, columns=self.graphs is None)
+        return self._forward(ids, positions, meta)
 
     def all_buckets(self) -> list[Bucket]:
         """Every (requests, width) pair whose tokens fit the buffers (what graphs capture)."""
@@ -138,6 +150,28 @@ class StepRunner:
             if hidden is not None:
                 return hidden[:num_tokens].clone()  # (the next replay overwrites the buffer)
         return self.run(ids_t, positions_t, meta)[:num_tokens]
+
+
+def _layer_forward(layer, x, residual, positions, rotary, kv_cache, meta, backend):
+    """One decoder layer (what torch.compile traces, once for every layer)."""
+    return layer.forward(x, residual, positions, rotary, kv_cache, meta, backend)
+
+
+def _own_copy(fn):
+    """fn with a code object of its own (equal, not the same)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _dynamic_rows(compiled_layer):
+    """compiled_layer, its activations' row counts marked dynamic before each call (the eager
+    code between layers hands them over unmarked)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+
+    def run(layer, x, residual, positions, rotary, kv_cache, meta, backend):
+        for t in (x, positions, *rotary) if residual is None else (x, residual, positions, *rotary):
+            mark(t, 0)
+        return compiled_layer(layer, x, residual, positions, rotary, kv_cache, meta, backend)
+    return run
 
 
 def _mark_dynamic(ids: torch.Tensor, positions: torch.Tensor, meta, columns: bool) -> None:

@@ -202,13 +202,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (after the last norm)."""
+                backend, layer_fn=None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (after the last norm).
+        layer_fn(layer, x, residual, ...): runs each decoder layer (the compiled step's
+        compiled DecoderLayer.forward, model/compiled.py), else the layer itself."""
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.table(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, rotary, kv_cache, meta, backend)
+            if layer_fn is None:
+                x, residual = layer(x, residual, positions, rotary, kv_cache, meta, backend)
+            else:
+                x, residual = layer_fn(layer, x, residual, positions, rotary, kv_cache, meta, backend)
         return self.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
