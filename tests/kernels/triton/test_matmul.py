@@ -151,16 +151,29 @@ def test_the_flag_reaches_the_model_config():
 
 def test_speculation_over_invariant_products_is_plain_decoding(make_llm, tmp_path, default_model_dir, monkeypatch):
     """bfloat16, every product (LM head included) through the kernel: ngram's verify steps give
-    exactly plain decoding's tokens, batch of two."""
+    exactly plain decoding's tokens, batch of two; every product of every step went through the
+    op (counted by the weights' shapes: the LM head's every step, and the layers' products)."""
+    from specserve import kernels
     from tests.conftest import write_tiny_model
 
     monkeypatch.setenv("SPECSERVE_KERNELS", "triton")  # interpreted (tests/kernels/conftest.py)
+    shapes = []
+    products = kernels.linear_invariant
+
+    def counted(x, weight, bias=None):
+        shapes.append(tuple(weight.shape))
+        return products(x, weight, bias)
+    monkeypatch.setattr(kernels, "linear_invariant", counted)
     model = write_tiny_model(tmp_path / "m", default_model_dir, vocab_size=256, hidden=64)
     outs = []
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}):
         llm = make_llm(str(model), dtype="bfloat16", speculative_config=spec, num_blocks=32, max_model_len=64)
         llm.engine.runner.model.use_invariant_products()
-        assert all(m.invariant for m in llm.engine.runner.model.modules() if hasattr(m, "invariant"))
         outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)])
+        steps = llm.engine.stats.num_steps
+        linears = [m for m in llm.engine.runner.model.modules() if hasattr(m, "invariant")]
+        assert linears and all(m.invariant for m in linears)
+        # every Linear of the model (the LM head too: vocabulary 256) ran through the op, every step
+        assert shapes.count((256, 64)) >= steps > 0 and len(shapes) >= steps * (len(linears) - 1)
+        shapes.clear()
     assert outs[0] == outs[1]
-    assert torch.ops.specserve.linear_invariant is not None
