@@ -98,6 +98,9 @@ class Engine:
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self._stats = EngineStats()
+        # an EAGLE-3 head reads inner layers' outputs: every step returns them (set before the
+        # compiled step is built)
+        self.runner.set_aux_layers(methods.aux_layers(spec_config))
         # the compiled / graph-captured step (model/compiled.py), before the cost model times steps
         sc = config.scheduler
         self.runner.prepare_steps(sc.max_num_seqs, sc.max_num_batched_tokens,

@@ -133,11 +133,13 @@ def _requests(engine, lengths, seed=0):
 
 def test_padded_step_gives_the_unpadded_rows(eager_llm):
     """Decode and verify steps (a tree, a chain, a decode) padded into buckets through the op
-    backend give the eager path's rows, write the same KV slots, and padding writes only the
-    null block."""
+    backend give the eager path's rows (the final hidden states and an inner layer's outputs,
+    which an EAGLE-3 head reads), write the same KV slots, and padding writes only the null
+    block."""
     engine, runner = eager_llm.engine, eager_llm.engine.runner
     assert runner.steps is None  # the CPU's default path is the eager one
     reqs = _requests(engine, [20, 7, 33])
+    runner.set_aux_layers((0,))
     try:
         runner.execute(SchedulerOutput(reqs, [r.num_tokens for r in reqs], [0, 0, 0]))  # prefill, eager
         for r in reqs:
@@ -176,12 +178,15 @@ def test_padded_step_gives_the_unpadded_rows(eager_llm):
             assert torch.equal(out.logits.argmax(-1), eager.logits.argmax(-1))
             assert torch.allclose(out.logits, eager.logits, atol=1e-4, rtol=1e-4)
             assert torch.allclose(out.all_hidden, eager.all_hidden, atol=1e-4)
+            assert out.aux_hidden.shape == eager.aux_hidden.shape == (len(out.all_hidden), runner.arch.hidden_size)
+            assert torch.allclose(out.aux_hidden, eager.aux_hidden, atol=1e-4)
             assert torch.allclose(after[:, real], after_eager[:, real], atol=1e-5)  # the same slots
             assert torch.equal(after[:, free], before[:, free])  # no other block
             assert torch.equal(after_eager[:, null], before[:, null])  # the eager path leaves it alone
             assert after[:, null].abs().sum() > 0  # padding rows write there
         assert padded.counts == {"decode": 1, "verify": 1, "eager": 0}
     finally:
+        runner.model.aux_layers = ()
         for r in reqs:
             engine.kv.free(r)
 

@@ -120,3 +120,23 @@ def test_batch_invariant_bfloat16_speculation_is_lossless(make_llm, tiny_model_d
     spec = make_llm(str(tiny_model_dir), **args)
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
     assert spec.engine.stats.spec_num_drafts > 0
+
+
+def test_an_eagle3_head_reads_the_graphs_inner_layers(make_llm, tiny_model_dir, tmp_path):
+    """An EAGLE-3 head's step returns inner layers' outputs from the captured graphs (their
+    static output buffer is as wide): greedy output equals the eager plain engine's."""
+    from tests.test_eagle_medusa import write_eagle3
+
+    head = write_eagle3(tmp_path / "eagle3", (0, 1))
+    config = {"method": "eagle", "model": str(head), "num_speculative_tokens": 6, "adaptive": False,
+              "lookup_branch": 0, "depth": 3, "topk": 2}
+    args = {**ARGS, "speculative_config": None}
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in make_llm(str(tiny_model_dir), enforce_eager=True, **args).generate(
+        PROMPTS, params)]
+    llm = make_llm(str(tiny_model_dir), **{**args, "speculative_config": config})
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    steps = llm.engine.runner.steps
+    assert steps.graphs is not None and steps.graphs.out.shape[1] == 3 * 64
+    assert got == want and llm.engine.stats.spec_num_drafts > 0
+    assert steps.counts["verify"] > 0

@@ -53,6 +53,17 @@ def write_eagle1(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def write_eagle3(path: Path, layers=(0, 1), seed: int = 0) -> Path:
+    """An EAGLE-3 head of ours (features fused from the target layers `layers`), random weights."""
+    head = EagleHead(ModelArch.from_dict(HEAD), aux_layers=layers, out_norm=True)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    save_eagle(head, torch.arange(0, 96, 2), path, dtype=torch.float32)
+    return path
+
+
 def write_medusa(path: Path, heads: int = 3) -> Path:
     from safetensors.torch import save_file
 
@@ -114,6 +125,33 @@ def test_eagle_round_trip_with_restricted_vocab(tmp_path):
     assert torch.equal(d2t2, d2t)
     x = torch.randn(1, 5, 64)
     torch.testing.assert_close(head(x, x, torch.arange(5))[0], loaded(x, x, torch.arange(5))[0], atol=2e-2, rtol=0)
+
+
+def test_eagle3_head_round_trip_and_engine_equal_plain_greedy(tmp_path):
+    """An EAGLE-3 head: config.json names the target layers it reads, the engine's steps return
+    their outputs (and only then), its trees keep greedy output exactly plain decoding's."""
+    from specserve.spec_decode.heads_io import eagle_aux_layers
+
+    path = write_eagle3(tmp_path / "eagle3")
+    assert eagle_aux_layers(path) == (0, 1) and eagle_aux_layers(write_eagle1(tmp_path / "eagle1")) == ()
+    head, d2t, _ = load_eagle(path, ModelArch.from_dict(TINY))
+    assert head.fuse.weight.shape == (64, 192) and head.norm is not None and d2t.numel() == 48
+    plain = tiny_llm(tmp_path)
+    ref = greedy_ids(plain)
+    assert plain.engine.runner.model.aux_layers == ()
+    llm = tiny_llm(tmp_path, {"method": "eagle", "model": str(path), "num_speculative_tokens": 8,
+                              "adaptive": False, "lookup_branch": 0, "depth": 3, "topk": 2})
+    assert llm.engine.runner.model.aux_layers == (0, 1)
+    seen = []
+    observe = llm.engine.spec.proposer.observe
+    llm.engine.spec.proposer.observe = lambda ids, starts, sizes, hidden: (seen.append(hidden.shape[1]),
+                                                                          observe(ids, starts, sizes, hidden))
+    assert greedy_ids(llm) == ref
+    assert seen and set(seen) == {192}  # the final hidden states and the two layers' outputs
+    assert llm.engine.stats.spec_num_drafts > 0
+    with pytest.raises(ValueError, match="layers"):
+        llm.engine.runner.model.aux_layers = ()
+        llm.engine.runner.set_aux_layers((0, 5))
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
@@ -491,18 +529,22 @@ def test_draft_pass_over_head_kv_matches_the_head_over_the_whole_sequence(f32_ke
     torch.testing.assert_close(torch.cat(outs), whole, atol=1e-5, rtol=1e-5)
 
 
-def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
+@pytest.mark.parametrize("aux", [(), (0, 1)], ids=["eagle2", "eagle3"])
+def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path, aux):
     """train.unrolled's step j is what a depth-j node computes at inference: a top-1 chain
-    drafted by EagleProposer equals the argmax of the unrolled steps over the same tokens."""
-    from specserve.spec_decode.training.train import ttt_mask, unrolled
+    drafted by EagleProposer equals the argmax of the unrolled steps over the same tokens;
+    also for an EAGLE-3 head (features fused from the target layers' outputs, its own norm
+    before the LM head)."""
+    from specserve.spec_decode.training.train import _draft_logits, ttt_mask, unrolled
 
     assert ttt_mask(4, 2).int().tolist() == [[0, 0, 0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 0, 1, 0, 0],
                                              [1, 1, 0, 0, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0, 0, 1]]
     arch = ModelArch.from_dict(TINY)
     runner = ModelRunner(None, arch, ModelConfig(load_format="dummy", seed=3, dtype="float32"),
                          CacheConfig(block_size=4, num_blocks=64), 256)
+    runner.set_aux_layers(aux)
     kv = KVCacheManager(64, 4, enable_prefix_caching=False)
-    head = EagleHead(ModelArch.from_dict(HEAD))
+    head = EagleHead(ModelArch.from_dict(HEAD), aux_layers=aux, out_norm=bool(aux))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in head.parameters():
@@ -510,9 +552,10 @@ def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
     save_eagle(head, None, tmp_path / "head", dtype=torch.float32)
     prop = EagleProposer(runner.model, tmp_path / "head", 3, depth=3, topk=1)
     req = Request("r", [5, 9, 17, 33, 2, 8, 8, 1, 4, 60, 12], SamplingParams(temperature=0), set(), 0)
-    h = prompt_features(runner, kv, req)  # f_0..f_{n-1}
+    h = prompt_features(runner, kv, req)  # f_0..f_{n-1} (eagle3: the two layers' outputs)
+    assert h.shape[1] == 64 * (1 + len(aux))
     prop.observe(["r"], [0], [len(h)], h)
-    req.all_token_ids.append(int(runner.model.compute_logits(prop.cache["r"].feats[-1][None]).argmax()))
+    req.all_token_ids.append(60)
     chain = prop.propose(propose_batch([req], 3))[0]
     assert chain.is_chain and len(chain) == 3
     seq = req.all_token_ids + chain.tokens
@@ -523,7 +566,7 @@ def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path):
     with torch.no_grad():
         outs = unrolled(prop.head, feats, embeds, 3)
     lm = runner.model.lm_head.weight
-    assert chain.tokens == [int((outs[j][0, n - 1 + j] @ lm.T).argmax()) for j in range(3)]
+    assert chain.tokens == [int(_draft_logits(prop.head, outs[j][0, n - 1 + j], lm).argmax()) for j in range(3)]
     kv.free(req)
 
 
@@ -615,3 +658,21 @@ def test_trees_of_ten_requests_at_once_equal_plain_greedy(tmp_path, monkeypatch,
     llm = tiny_llm(tmp_path, config)
     assert greedy_ids(llm, prompts, params) == ref
     assert llm.engine.stats.spec_num_drafts >= 10
+
+
+def test_an_eagle3_head_grown_from_an_eagle2_one_drafts_the_same(tmp_path):
+    """train-draft --init EAGLE-2 --aux-layers: the grown head computes what the EAGLE-2 head
+    did (the fusion passes the final hidden state through), saves and loads as EAGLE-3."""
+    from specserve.spec_decode.training.train import grow_eagle3
+
+    arch = ModelArch.from_dict(TINY)
+    old = load_eagle(write_eagle1(tmp_path / "eagle1"), arch)[0]
+    grown = grow_eagle3(old, (0, 1), 512)
+    f, aux, e = torch.randn(1, 6, 64), torch.randn(1, 6, 128), torch.randn(1, 6, 64)
+    with torch.no_grad():
+        want = old(f, e, torch.arange(6))[0]
+        got = grown(grown.fuse(torch.cat([f, aux], -1)), e, torch.arange(6))[0]
+    torch.testing.assert_close(got, want)
+    save_eagle(grown, None, tmp_path / "grown", dtype=torch.float32)
+    loaded = load_eagle(tmp_path / "grown", arch)[0]
+    assert loaded.aux_layers == (0, 1) and loaded.norm is None and loaded.fuse is not None

@@ -80,3 +80,30 @@ def test_greedy_matches_transformers_one_by_one_and_batched(llm, hf_model):
         assert single[i] == expected[i], f"prompt {i} one by one differs from transformers"
         assert batched[i] == expected[i], f"prompt {i} in a batch differs from transformers"
         assert len(expected[i]) == 64
+
+
+def test_aux_layer_outputs_match_transformers_hidden_states(llm, hf_model):
+    """The outputs of inner layers a step also returns (an EAGLE-3 head's features) are the
+    residual stream after those layers, transformers' hidden_states[i + 1]."""
+    from specserve.kv_cache.manager import KVCacheManager
+    from specserve.request import Request
+    from specserve.scheduler.scheduler import SchedulerOutput
+
+    ids = llm.get_tokenizer().encode(PROMPTS[6])
+    runner = llm.engine.runner
+    layers = (2, 15, 27)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    kv = KVCacheManager(8, llm.engine.kv.block_size, enable_prefix_caching=False)
+    req = Request("aux", ids, SamplingParams(temperature=0), set(), 0)
+    kv.allocate(req, len(ids))
+    runner.model.aux_layers = layers  # (the eager step: no compiled graphs to rebuild)
+    try:
+        step = runner.execute(SchedulerOutput([req], [len(ids)], [0]))
+    finally:
+        runner.model.aux_layers = ()
+    width = runner.arch.hidden_size
+    assert step.aux_hidden.shape == (len(ids), 3 * width) and step.all_hidden.shape == (len(ids), width)
+    for j, i in enumerate(layers):
+        torch.testing.assert_close(step.aux_hidden[:, j * width:(j + 1) * width], ref[i + 1][0], atol=1e-3, rtol=1e-4)
+    assert (step.all_hidden - ref[-1][0]).abs().max().item() < 1e-3

@@ -54,9 +54,10 @@ def write_model(path: Path, kv_heads: int, tied: bool) -> Path:
     return path
 
 
-def write_eagle_head(path: Path) -> Path:
+def write_eagle_head(path: Path, aux_layers=()) -> Path:
     """A random EAGLE-1 head for the tiny models, without its own embedding: it reads the
-    target's whole embedding and LM head, which rank 0 keeps under TP."""
+    target's whole embedding and LM head, which rank 0 keeps under TP (with aux_layers: an
+    EAGLE-3 head, reading those layers' outputs too)."""
     import torch
 
     from specserve.model.arch import ModelArch
@@ -66,11 +67,12 @@ def write_eagle_head(path: Path) -> Path:
            "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 2,
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512}
     g = torch.Generator().manual_seed(5)
-    head = EagleHead(ModelArch.from_dict(cfg))
+    head = EagleHead(ModelArch.from_dict(cfg), aux_layers=aux_layers, out_norm=bool(aux_layers))
     path.mkdir(parents=True)
     torch.save({k: torch.randn(v.shape, generator=g) * 0.3 for k, v in head.state_dict().items()},
                path / "pytorch_model.bin")
-    (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"],
+                                                  "eagle_aux_layers": list(aux_layers)}))
     return path
 
 
@@ -88,6 +90,7 @@ def use(llm, config) -> None:
     from specserve.spec_decode import methods
 
     e = llm.engine
+    e.runner.model.aux_layers = methods.aux_layers(SpecConfig.parse(config))  # (no compiled step under TP)
     e.spec = methods.make_decoder(SpecConfig.parse(config), e.runner, e.kv, e._stats, e.config.model,
                                   e.max_model_len, e.config.scheduler)
 
@@ -103,6 +106,7 @@ def packed_kernel():
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tp")
     write_eagle_head(root / "eagle")
+    write_eagle_head(root / "eagle3", (0, 1))
     return root
 
 
@@ -134,7 +138,7 @@ def test_tp_gives_tp1s_greedy_tokens(case):
     assert plain == reference  # all 10 prompts, all 32 tokens (docs/architecture.md)
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle", "draft_model", "oracle_tree"])
+@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle3", "draft_model", "oracle_tree"])
 def test_speculation_under_tp_is_lossless(case, root, method):
     name, model_dir, _, llm, plain = case
     stats = llm.engine.stats
@@ -151,6 +155,8 @@ def test_speculation_under_tp_is_lossless(case, root, method):
         config = {"ngram": {"method": "ngram", "num_speculative_tokens": 4},
                   "eagle": {"method": "eagle", "model": str(root / "eagle"), "num_speculative_tokens": 6,
                             "depth": 3, "topk": 2, "lookup_branch": 0},
+                  "eagle3": {"method": "eagle", "model": str(root / "eagle3"), "num_speculative_tokens": 6,
+                             "depth": 3, "topk": 2, "lookup_branch": 0},
                   # the target drafting for itself: rank 0's unsplit copy, against the split target
                   "draft_model": {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3},
                   }[method]

@@ -91,3 +91,35 @@ def test_eagle_only_options_fail_fast_for_medusa(tmp_path):
     bad = run_cli("--method", "medusa", "--init", str(tmp_path / "head"), "--out", str(tmp_path / "out"))
     assert bad.returncode == 2 and "--init applies to --method eagle only" in bad.stderr
     assert not (tmp_path / ".out-work").exists()  # nothing generated or created before the check
+
+
+def test_train_draft_an_eagle3_head(tmp_path):
+    """--aux-layers: the data records the inner layers' outputs (each prompt's last 64 tokens
+    kept), the head fuses them, saves its layers, and drafts in the engine losslessly; data
+    of the other kind is refused."""
+    from specserve import LLM, SamplingParams
+    from specserve.spec_decode.heads_io import load_eagle
+
+    target = tiny_target(tmp_path / "target")
+    out, work = tmp_path / "head", tmp_path / "work"
+    common = ["--method", "eagle", "--target", str(target), "--work-dir", str(work), "--num-prompts", "4",
+              "--doc-prompts", "2", "--chunk", "2", "--max-tokens", "24", "--max-model-len", "512",
+              "--draft-vocab", "64", "--unroll", "2", "--holdout", "1", "--epochs", "1", "--batch-seqs", "2"]
+    done = run_cli(*common, "--out", str(out), "--aux-layers", "auto")
+    assert done.returncode == 0, done.stderr[-2000:]
+    seqs = [s for f in sorted((work / "data").glob("*.pt")) for s in torch.load(f)]
+    assert all(s["aux"].shape == (s["hidden"].shape[0], 64) and s["prompt_len"] <= 64 for s in seqs)
+    assert any(s["prompt_len"] == 64 for s in seqs)  # the document tasks' prompts, cut
+    assert json.loads((out / "config.json").read_text())["eagle_aux_layers"] == [0, 1]
+    head = load_eagle(out, ModelArch.from_dir(target))[0]
+    assert head.fuse.weight.shape == (32, 96) and head.norm is not None
+    refused = run_cli(*common, "--out", str(tmp_path / "eagle2"), "--gen-minutes", "0")
+    assert refused.returncode != 0 and "pass its --aux-layers" in refused.stderr
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 2, 3, 4, 5, 6]}, {"prompt_token_ids": [9, 8, 7]}]
+    plain = LLM(str(target), max_model_len=256, speculative_config=None).generate(prompts, params)
+    spec = LLM(str(target), max_model_len=256, speculative_config={
+        "method": "eagle", "model": str(out), "adaptive": False, "num_speculative_tokens": 4})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in plain]
+    assert spec.engine.stats.spec_num_drafts > 0

@@ -96,7 +96,7 @@ class StepRunner:
         if graphs:
             from specserve.model.cuda_graphs import CudaGraphs
 
-            self.graphs = CudaGraphs(self.run, self.buffers, runner.arch.hidden_size, runner.dtype, self.device)
+            self.graphs = CudaGraphs(self.run, self.buffers, runner.model.output_width, runner.dtype, self.device)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model(ids, positions, self.kv, meta, self.backend, layer_fn=self._layer)

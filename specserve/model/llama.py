@@ -199,22 +199,35 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch, max_positions)
         self.lm_head_t: torch.Tensor | None = None  # see finalize_weights
         self.lm_head_kernel = None  # the LM head through our CPU kernel: see quantize_int8, finalize_weights
+        # decoder layers whose outputs (the residual stream after them) the forward also returns,
+        # after the final hidden states: an EAGLE-3 head's fused features (spec_decode/eagle.py)
+        self.aux_layers: tuple[int, ...] = ()
+
+    @property
+    def output_width(self) -> int:
+        """Columns of forward's output: the final hidden state, then each aux layer's output."""
+        return self.arch.hidden_size * (1 + len(self.aux_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend, layer_fn=None) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (after the last norm).
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (after the last norm),
+        followed by the outputs of `aux_layers` when there are any ([T, output_width]).
         layer_fn(layer, x, residual, ...): runs each decoder layer (the compiled step's
         compiled DecoderLayer.forward, model/compiled.py), else the layer itself."""
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.table(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        aux = []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if layer_fn is None:
                 x, residual = layer(x, residual, positions, rotary, kv_cache, meta, backend)
             else:
                 x, residual = layer_fn(layer, x, residual, positions, rotary, kv_cache, meta, backend)
-        return self.norm.add(x, residual)[0]
+            if i in self.aux_layers:
+                aux.append(x + residual)  # (the next norm makes the same sum)
+        final = self.norm.add(x, residual)[0]
+        return torch.cat([final, *aux], -1) if aux else final
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""

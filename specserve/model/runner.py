@@ -75,6 +75,9 @@ class StepLogits:
     row_start: list[int]  # per scheduled request: first row, or -1 when it has none
     num_rows: list[int]  # per scheduled request: 0, 1 or 1 + num_drafts
     all_hidden: torch.Tensor  # [T, hidden] final hidden states of every token of the step
+    # [T, hidden * len(aux_layers)]: the outputs of the model's aux_layers for every token of
+    # the step (an EAGLE-3 head's features), or None when it has none
+    aux_hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -113,8 +116,9 @@ class ModelRunner:
         self.tp_size = 1 if tp is None else tp.size
         heads, kv_heads = local_heads(arch.num_heads, arch.num_kv_heads, self.tp_size)
         self.backend = get_attention_backend(self.device, self.dtype, (heads, kv_heads, arch.head_dim))
-        # callables (sched, hidden [T, hidden]) shown every step's final hidden states, before
-        # anything else reads them (training data capture: spec_decode.training.data)
+        # callables (sched, hidden [T, hidden], aux [T, ...] or None) shown every step's final
+        # hidden states and aux layer outputs, before anything else reads them (training data
+        # capture: spec_decode.training.data)
         self.hidden_hooks: list = []
         self.num_blocks = cache_config.num_blocks or self._blocks_for(cache_config.kv_cache_memory_gb)
         # one tensor per K and V for all layers ([L, num_blocks, block_size, Hkv, D]); each
@@ -174,9 +178,24 @@ class ModelRunner:
                 tree_parents, row_index)
         # tensor parallel: every worker runs the same forward on these inputs (model/tp_worker.py)
         every, hidden, logits = self.forward(*step) if self.tp is None else self.tp.run("forward", self.forward, step)
+        aux = None
+        if self.model.aux_layers:
+            width = self.arch.hidden_size
+            every, aux = every[:, :width], every[:, width:]
         for hook in self.hidden_hooks:
-            hook(sched, every)
-        return StepLogits(logits, hidden, row_start, num_rows, every)
+            hook(sched, every, aux)
+        return StepLogits(logits, hidden, row_start, num_rows, every, aux)
+
+    def set_aux_layers(self, layers: tuple[int, ...]) -> None:
+        """Have every step also return the outputs of these decoder layers (StepLogits.aux_hidden);
+        before prepare_steps (the compiled step and its graphs are built with them). Under tensor
+        parallelism rank 0's model alone: every rank holds the whole residual stream."""
+        if self.steps is not None:
+            raise RuntimeError("set_aux_layers after the compiled step was built")
+        if any(not 0 <= i < self.arch.num_layers for i in layers) or list(layers) != sorted(set(layers)):
+            raise ValueError(f"aux layers {layers}: increasing indices of the model's "
+                             f"{self.arch.num_layers} layers")
+        self.model.aux_layers = tuple(layers)
 
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int], seq_lens: list[int], query_lens: list[int],
@@ -191,7 +210,9 @@ class ModelRunner:
                                                self.device, tree_parents)
             ids_pos = int_tensor([ids, positions], self.device)
             every = self.model(ids_pos[0], ids_pos[1], self.kv_caches, meta, self.backend)
-        hidden = every if len(row_index) == len(ids) else every.index_select(0, int_tensor(row_index, self.device))
+        final = every[:, :self.arch.hidden_size] if self.model.aux_layers else every
+        hidden = (final.contiguous() if len(row_index) == len(ids)
+                  else final.index_select(0, int_tensor(row_index, self.device)))
         logits = self.model.compute_logits(hidden)
         return every, hidden, logits if self.tp is None else self.tp.gather_vocab(logits)
 

@@ -211,7 +211,9 @@ class SpecDecoder:
             starts.append(req.num_computed_tokens)
             sizes.append(len(committed))
             off += n
-        hidden = step.all_hidden  # [off, hidden]: every row of the step
+        # [off, hidden]: every row of the step (then the aux layers' outputs, which the model
+        # returns only for a proposer that reads them: methods.aux_layers)
+        hidden = step.all_hidden if step.aux_hidden is None else torch.cat([step.all_hidden, step.aux_hidden], -1)
         if len(index) < off:  # drafts not accepted
             # index is increasing: a run of rows (first-choice paths accepted) is a view
             first = index[0]  # (every scheduled request commits at least one token)

@@ -87,15 +87,26 @@ class EagleProposer:
                       else target_model.embed_tokens.weight).detach()
         f32_kernel = not quantize and f32_kernel_for(param, head.arch.hidden_size, head.arch.intermediate_size)
         self.draft = DraftPass(self.head, lambda w, b: draft_linear(w, b, quantize, f32_kernel))
-        self._lm_head, self.d2t = draft_lm_head(None, param, d2t, quantize, f32_kernel)  # spec_decode.quant
+        # an EAGLE-3 head: target features are its fusion of the final hidden states and inner
+        # layers' outputs (the decoder shows it those: StepLogits.aux_hidden)
+        self.aux_layers = head.aux_layers
+        self._fuse = (None if head.fuse is None
+                      else draft_linear(self.head.fuse.weight, None, quantize, f32_kernel))
+        lm_head, self.d2t = draft_lm_head(None, param, d2t, quantize, f32_kernel)  # spec_decode.quant
+        norm = self.head.norm  # an EAGLE-3 head's (where it has one), before the LM head
+        self._lm_head = lm_head if norm is None else (lambda x: lm_head(norm(x)))
         self._d2t_ptr = 0 if self.d2t is None else self.d2t.data_ptr()
         self.cache: dict[str, _HeadCache] = {}
         self.window, self.prompt_window = CATCH_UP_WINDOW, PROMPT_WINDOW
 
     def observe(self, request_ids: list[str], starts: list[int], sizes: list[int], hidden: torch.Tensor) -> None:
-        """Target features of positions start .. start + n - 1 (the next n rows of hidden);
-        anything cached at or past `start` is dropped first (rollback, recompute)."""
-        rows, end = (hidden if hidden.dtype is self.dtype else hidden.to(self.dtype)).unbind(0), 0
+        """Target features of positions start .. start + n - 1 (the next n rows of hidden: final
+        hidden states, for an EAGLE-3 head followed by the aux layers' outputs, fused here); anything
+        cached at or past `start` is dropped first (rollback, recompute)."""
+        hidden = hidden if hidden.dtype is self.dtype else hidden.to(self.dtype)
+        if self._fuse is not None:
+            hidden = self._fuse(hidden)
+        rows, end = hidden.unbind(0), 0
         for rid, start, n in zip(request_ids, starts, sizes):
             c = self.cache.get(rid)
             if c is None or not c.base + c.dropped <= start <= c.base + len(c.feats):

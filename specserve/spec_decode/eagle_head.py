@@ -77,13 +77,23 @@ def _linears(**shapes: tuple[int, int, bool]) -> nn.Module:
 
 
 class EagleHead(nn.Module):
-    """fc + one decoder layer. `arch` is the head's own config (a LlamaConfig with one layer)."""
+    """fc + one decoder layer. `arch` is the head's own config (a LlamaConfig with one layer).
+
+    With `aux_layers` (an EAGLE-3 head) the head's feature f_t is `fuse` of the target's final
+    hidden state and the outputs of those inner target layers (fuse(concat(f_t, a_t, b_t)):
+    low, middle and high level at once). With `out_norm` its outputs pass through its own
+    `norm` before the target's LM head, and it is trained on the draft distribution alone (no
+    feature regression: an output need not look like a target feature); without, the outputs
+    stay predicted features (a head grown from an EAGLE-2 one: train.py --init)."""
 
     def __init__(self, arch: ModelArch, max_positions: int = 8192, fc_bias: bool = True,
-                 input_norm: bool = False) -> None:
+                 input_norm: bool = False, aux_layers: tuple[int, ...] = (), out_norm: bool = False) -> None:
         super().__init__()
         self.arch = arch
         h, inter, bias = arch.hidden_size, arch.intermediate_size, arch.qkv_bias
+        self.aux_layers = tuple(aux_layers)
+        self.fuse = nn.Linear((1 + len(aux_layers)) * h, h, bias=False) if aux_layers else None
+        self.norm = RMSNorm(h, arch.rms_norm_eps) if out_norm else None
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         layer = nn.Module()

@@ -2,7 +2,9 @@
 "Medusa"), plus our restricted vocabulary: `d2t` (int64 [N]: draft index -> target token id) in
 the weights when the draft scores only N frequent tokens. An EAGLE head without
 `layers.0.input_layernorm.weight` (EAGLE-1) has no input norm; Medusa heads without
-`{k}.{num_layers}.weight` use the target's LM head. Writing them:
+`{k}.{num_layers}.weight` use the target's LM head. An EAGLE-3 head (features fused from
+the final hidden state and inner target layers' outputs) names those layers in config.json
+("eagle_aux_layers") and adds `fuse.weight` (and `norm.weight` where its outputs are normed). Writing them:
 specserve.spec_decode.training.checkpoints.
 """
 
@@ -39,6 +41,17 @@ def _check_hidden(hidden: int, target: ModelArch, what: str) -> None:
         raise ValueError(f"speculative_config: {what} have hidden size {hidden}, the target {target.hidden_size}")
 
 
+def eagle_aux_layers(model_dir: Path | str) -> tuple[int, ...]:
+    """The target layers an EAGLE head's features come from (config.json's "eagle_aux_layers":
+    an EAGLE-3 head), () for a head of final hidden states (or no readable config: load_eagle
+    says what is wrong)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        return tuple(int(i) for i in cfg.get("eagle_aux_layers", ()))
+    except (OSError, ValueError, TypeError):
+        return ()
+
+
 def load_eagle(model_dir: Path | str, target: ModelArch, max_positions: int = 8192):
     """-> (EagleHead in float32 on CPU, d2t int64 [N] or None, embed_tokens [V, hidden] or None)."""
     from specserve.spec_decode.eagle_head import EagleHead
@@ -49,7 +62,9 @@ def load_eagle(model_dir: Path | str, target: ModelArch, max_positions: int = 81
     embed = state.pop("embed_tokens.weight", None)
     state.pop("lm_head.weight", None)  # drafts use the target's LM head
     head = EagleHead(arch, max_positions, fc_bias="fc.bias" in state,
-                     input_norm="layers.0.input_layernorm.weight" in state)
+                     input_norm="layers.0.input_layernorm.weight" in state,
+                     aux_layers=tuple(int(i) for i in cfg.get("eagle_aux_layers", ())),
+                     out_norm="norm.weight" in state)
     missing, unexpected = head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if missing or unexpected:
         raise ValueError(f"speculative_config: EAGLE checkpoint mismatch: missing {missing[:4]}, "

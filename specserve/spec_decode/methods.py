@@ -45,6 +45,17 @@ def kv_bytes_per_block(config: SpecConfig, target_arch, block_size: int, dtype) 
     return per_block(draft_arch(config.model, target_arch)[1], block_size, dtype)
 
 
+def aux_layers(config: SpecConfig) -> tuple[int, ...]:
+    """The target's decoder layers whose outputs the method's proposer reads (an EAGLE-3 head's
+    fused features: heads_io.eagle_aux_layers), else ()."""
+    if config.method != "eagle":
+        return ()
+    from specserve.spec_decode.eagle import DEFAULT_EAGLE_DIR
+    from specserve.spec_decode.heads_io import eagle_aux_layers
+
+    return eagle_aux_layers(config.model or DEFAULT_EAGLE_DIR)
+
+
 def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_len: int,
                  scheduler_config):
     """The SpecDecoder of an engine; `config` resolved and validated (or method None)."""

@@ -26,6 +26,8 @@ def save_eagle(head, d2t: torch.Tensor | None, out_dir: Path | str, dtype=torch.
            "bias": head.fc.bias is not None, **(extra or {})}
     if d2t is not None:
         cfg["draft_vocab_size"] = int(d2t.numel())
+    if head.aux_layers:
+        cfg["eagle_aux_layers"] = list(head.aux_layers)
     state = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
     if d2t is not None:
         state["d2t"] = d2t.to(torch.int64).contiguous()

@@ -16,7 +16,9 @@ chunk is saved as one .pt file, so an interrupted run resumes at the next missin
 
 A saved sequence is {"tokens": int32 [n], "hidden": float16 [m, hidden], "prompt_len": int}
 where hidden row t is f_t, the target's feature at position t (it predicts token t+1), and
-m <= n (the last sampled token is never fed back).
+m <= n (the last sampled token is never fed back); for an EAGLE-3 head also "aux": float16
+[m, hidden * 3], the outputs of the target layers its features fuse, and the sequence may
+start inside the prompt (its last `prompt_rows` tokens).
 """
 
 from __future__ import annotations
@@ -197,17 +199,21 @@ def document_prompts(texts: list[str], n: int, seed: int = 0, parts: tuple[int, 
 
 
 def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_tokens: int,
-                    deadline: float, log=print, prefix: str = "chunk") -> list[Path]:
-    """Greedy answers + final hidden states, one file per chunk of prompts (skips done chunks);
-    files are named PREFIX_NNNNN.pt."""
+                    deadline: float, log=print, prefix: str = "chunk",
+                    prompt_rows: int | None = None) -> list[Path]:
+    """Greedy answers + final hidden states (and, when the engine's model has aux layers, their
+    outputs: "aux", float16 [m, hidden * layers]), one file per chunk of prompts (skips done
+    chunks); files are named PREFIX_NNNNN.pt. prompt_rows: keep only the last this many prompt
+    tokens of each sequence (the EAGLE head's first pass reads no more: eagle.PROMPT_WINDOW)."""
     from specserve.request import SamplingParams
 
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = llm.engine.runner
     captured: dict[str, dict[int, torch.Tensor]] = {}
 
-    def capture(sched, every: torch.Tensor) -> None:
-        hidden, off = every.to("cpu", torch.float16), 0  # one copy per step
+    def capture(sched, every: torch.Tensor, aux: torch.Tensor | None) -> None:
+        rows_of = every if aux is None else torch.cat([every, aux], -1)
+        hidden, off = rows_of.to("cpu", torch.float16), 0  # one copy per step
         for req, n in zip(sched.requests, sched.num_tokens):
             rows = captured.setdefault(req.request_id, {})
             for j in range(n):
@@ -229,14 +235,19 @@ def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_toke
             convs = [[{"role": "user", "content": p}] for p in prompts[i:i + chunk]]
             outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=max_tokens))
             seqs = []
+            width = runner.arch.hidden_size
             for o in outs:
                 tokens = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
                 rows = captured.pop(o.request_id)
                 m = max(rows) + 1
                 assert all(t in rows for t in range(m)), "a computed position is missing"
-                seqs.append({"tokens": torch.tensor(tokens, dtype=torch.int32),
-                             "hidden": torch.stack([rows[t] for t in range(m)]),
-                             "prompt_len": len(o.prompt_token_ids)})
+                first = 0 if prompt_rows is None else max(0, len(o.prompt_token_ids) - prompt_rows)
+                table = torch.stack([rows[t] for t in range(first, m)])
+                seq = {"tokens": torch.tensor(tokens[first:], dtype=torch.int32),
+                       "hidden": table[:, :width].contiguous(), "prompt_len": len(o.prompt_token_ids) - first}
+                if table.shape[1] > width:
+                    seq["aux"] = table[:, width:].contiguous()
+                seqs.append(seq)
             captured.clear()
             torch.save(seqs, path)
             files.append(path)

@@ -53,9 +53,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: full)")
     p.add_argument("--batch-seqs", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width")
+    p.add_argument("--noise", type=float, default=None,
+                   help="uniform feature noise width (default 0.2; 0 for a head with its own output norm)")
     p.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test steps (1: teacher forcing)")
     p.add_argument("--init", default=None, help="eagle: start from this head directory's weights")
+    p.add_argument("--aux-layers", default=None,
+                   help="eagle: an EAGLE-3 head, its features fused from these target layers' outputs "
+                        "(comma-separated indices, or 'auto': a low, a middle and a high layer)")
+    p.add_argument("--feature-loss", type=float, default=None,
+                   help="eagle: weight of the feature regression loss (default 1; 0 for a head with "
+                        "its own output norm: an EAGLE-3 head trained from scratch)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the target's dtype while it generates the data")
     p.add_argument("--holdout", type=int, default=64, help="eagle: sequences kept out of training to report "
                    "per-depth agreement at each checkpoint")
     p.add_argument("--medusa-heads", type=int, default=4)
@@ -64,14 +73,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
 
 
+def parse_aux_layers(value: str | None, num_layers: int) -> tuple[int, ...]:
+    """--aux-layers -> increasing target layer indices; 'auto': EAGLE-3's low, middle and high
+    layers (2, L/2 and L-3 of L; fewer when the target has fewer than 6)."""
+    if not value:
+        return ()
+    if value == "auto":
+        return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3)}))
+    layers = tuple(int(v) for v in value.split(","))
+    if any(not 0 <= i < num_layers for i in layers) or list(layers) != sorted(set(layers)):
+        raise ValueError(f"train-draft: --aux-layers {value}: increasing indices below {num_layers}")
+    return layers
+
+
 def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
     """Generate whatever chunks are missing, within --gen-minutes: template prompts
     (chunk_*.pt), then self-instruct prompts (si_*.pt, their prompts kept in
     self_instruct.json), then document tasks (doc_*.pt) over the answers already on disk."""
     import json
+    from functools import partial
 
     import torch
 
+    from specserve.spec_decode.eagle import PROMPT_WINDOW
     from specserve.spec_decode.training.data import (document_prompts, generate_chunks, instruction_prompts,
                                            self_instruct_prompts, self_instruct_words)
 
@@ -85,9 +109,12 @@ def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
 
     # plain decoding: every computed row is then a committed token whose features are recorded
     llm = LLM(args.target, max_model_len=args.max_model_len, enable_prefix_caching=False,
-              max_num_seqs=args.chunk, max_num_batched_tokens=4096, speculative_config=None)
-    generate_chunks(llm, instruction_prompts(args.num_prompts, args.seed), data, args.chunk,
-                    args.max_tokens, deadline, log)
+              max_num_seqs=args.chunk, max_num_batched_tokens=4096, speculative_config=None, dtype=args.dtype)
+    aux = parse_aux_layers(args.aux_layers, llm.engine.runner.arch.num_layers)
+    llm.engine.runner.set_aux_layers(aux)
+    # EAGLE-3 data keeps the prompt's last PROMPT_WINDOW tokens (four times the rows per token)
+    gen = partial(generate_chunks, prompt_rows=PROMPT_WINDOW if aux else None)
+    gen(llm, instruction_prompts(args.num_prompts, args.seed), data, args.chunk, args.max_tokens, deadline, log)
     if args.self_instruct > 0 and time.time() < deadline:
         path = work / "self_instruct.json"
         saved = json.loads(path.read_text()) if path.exists() else {"requested": 0, "prompts": []}
@@ -99,7 +126,7 @@ def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
                                         skip=self_instruct_words(have))
             saved = {"requested": args.self_instruct, "prompts": list(dict.fromkeys(saved["prompts"] + new))}
             path.write_text(json.dumps(saved, indent=0))
-        generate_chunks(llm, saved["prompts"], data, args.chunk, args.max_tokens, deadline, log, prefix="si")
+        gen(llm, saved["prompts"], data, args.chunk, args.max_tokens, deadline, log, prefix="si")
     if args.doc_prompts > 0 and time.time() < deadline:
         path = work / "doc_prompts.json"
         if not path.exists():  # documents: the answers on disk (decoded once, then kept)
@@ -111,9 +138,34 @@ def _ensure_data(args: argparse.Namespace, work: Path, log) -> None:
             if len(texts) >= 5:
                 path.write_text(json.dumps(document_prompts(texts, args.doc_prompts, args.seed), indent=0))
         if path.exists():
-            generate_chunks(llm, json.loads(path.read_text()), data, args.chunk, args.max_tokens, deadline,
-                            log, prefix="doc")
+            gen(llm, json.loads(path.read_text()), data, args.chunk, args.max_tokens, deadline, log, prefix="doc")
     del llm
+
+
+def grow_eagle3(head, aux: tuple[int, ...], max_positions: int):
+    """An EAGLE-3 head (features fused from the final hidden state and the target layers `aux`)
+    that computes exactly what the EAGLE-2 `head` does: its weights, and a fusion that passes
+    the final hidden state through (identity) and the inner layers' outputs not at all (zero),
+    for training to take them in from there. No output norm: its outputs stay features."""
+    import torch
+
+    from specserve.spec_decode.eagle_head import EagleHead
+
+    grown = EagleHead(head.arch, max_positions, fc_bias=head.fc.bias is not None,
+                      input_norm=head.layers[0].input_layernorm is not None, aux_layers=aux)
+    grown.load_state_dict(head.state_dict(), strict=False)
+    h = head.arch.hidden_size
+    with torch.no_grad():
+        grown.fuse.weight.zero_()
+        grown.fuse.weight[:, :h] = torch.eye(h)
+    return grown
+
+
+def _target_arch(target: str):
+    from specserve.model.arch import ModelArch
+    from specserve.model.loader import resolve_model_dir
+
+    return ModelArch.from_dir(resolve_model_dir(target))
 
 
 def _target_weights(target: str):
@@ -143,19 +195,24 @@ def build_draft_vocab(seqs: list[dict], n: int, vocab: int) -> torch.Tensor | No
 
 
 def _batch(seqs: list[dict], embed: torch.Tensor):
-    """Pairs (f_t, x_{t+1}) -> targets f_{t+1}, next tokens x_{t+2}; padded to the longest."""
+    """Pairs (f_t, x_{t+1}) -> targets f_{t+1}, next tokens x_{t+2}; padded to the longest.
+    With "aux" in the sequences (an EAGLE-3 head's data) the input features are the final
+    hidden states followed by those rows."""
     import torch
 
+    aux = "aux" in seqs[0]
     lens = [s["hidden"].shape[0] - 1 for s in seqs]
     T, B, H = max(lens), len(seqs), embed.shape[1]
-    feats = torch.zeros(B, T, H)
+    feats = torch.zeros(B, T, H + (seqs[0]["aux"].shape[1] if aux else 0))
     target = torch.zeros(B, T, H)
     tokens_in = torch.zeros(B, T, dtype=torch.int64)
     tokens_next = torch.full((B, T), -1, dtype=torch.int64)
     mask = torch.zeros(B, T, dtype=torch.bool)
     for b, (s, n) in enumerate(zip(seqs, lens)):
         hid, tok = s["hidden"].float(), s["tokens"].long()
-        feats[b, :n], target[b, :n] = hid[:n], hid[1:n + 1]
+        feats[b, :n, :H], target[b, :n] = hid[:n], hid[1:n + 1]
+        if aux:
+            feats[b, :n, H:] = s["aux"][:n].float()
         tokens_in[b, :n] = tok[1:n + 1]
         nxt = tok[2:n + 2]
         tokens_next[b, :len(nxt)] = nxt
@@ -179,14 +236,21 @@ def ttt_mask(t: int, step: int) -> torch.Tensor:
     return torch.cat(blocks, 1)
 
 
-def unrolled(head, feats: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def unrolled(head, feats: torch.Tensor, embeds: torch.Tensor, steps: int,
+             noise: float = 0.0) -> list[torch.Tensor]:
     """The head's predicted next features at every position for unroll steps 1..steps.
 
-    Step 1 reads the pairs (f_i, x_{i+1}); step j reads (step j-1's prediction at i - 1,
-    x_{i+1}) at position i, under ttt_mask. Each step's output at i estimates f_{i+1} (positions
-    i < j - 1 of step j have no input and are junk)."""
+    Step 1 reads the pairs (f_i, x_{i+1}) (an EAGLE-3 head: f_i fused from the aux rows), with
+    uniform noise of width `noise` on f_i; step j reads (step j-1's prediction at i - 1,
+    x_{i+1}) at position i, under ttt_mask. Each step's output at i estimates f_{i+1} (an
+    EAGLE-3 head's: the input of its norm and the LM head; positions i < j - 1 of step j have
+    no input and are junk)."""
     import torch
 
+    if head.fuse is not None:
+        feats = head.fuse(feats)
+    if noise:
+        feats = feats + (torch.rand_like(feats) - 0.5) * noise
     b, t, _ = feats.shape
     pos = torch.arange(t)
     out, k, v = head(feats, embeds, pos)
@@ -207,24 +271,34 @@ def _with_input(mask: torch.Tensor, j: int) -> torch.Tensor:
     return ok
 
 
-def _eagle_loss(head, batch, lm_sub, t2d, noise: float, steps: int = 1):
+def _draft_logits(head, pred: torch.Tensor, lm_sub: torch.Tensor) -> torch.Tensor:
+    """The head's outputs -> draft logits, as EagleProposer computes them."""
+    return (pred if head.norm is None else head.norm(pred)) @ lm_sub.T
+
+
+def _eagle_loss(head, batch, lm_sub, t2d, noise: float, steps: int = 1, feature_loss: float | None = None):
+    """EAGLE: smooth-L1 to the next feature + 0.1 x cross-entropy to the target's next-token
+    distribution; a head with its own output norm (EAGLE-3): the cross-entropy alone
+    (feature_loss: the first term's weight instead, default 1 and 0)."""
     import torch
     import torch.nn.functional as F
 
     feats, embeds, target, nxt, mask = batch
-    feats = feats + (torch.rand_like(feats) - 0.5) * noise
+    normed = head.norm is not None
+    wv = feature_loss if feature_loss is not None else (0.0 if normed else 1.0)
+    wp = 1.0 if normed else 0.1
     tgt = target[mask]
     with torch.no_grad():
         p_t = F.softmax(tgt @ lm_sub.T, -1)
     total, stats = 0.0, {}
-    for j, pred in enumerate(unrolled(head, feats, embeds, steps)):
+    for j, pred in enumerate(unrolled(head, feats, embeds, steps, noise)):
         ok = _with_input(mask, j)
         keep = ok[mask]  # ok's positions among mask's, for the per-position targets above
         pred = pred[ok]
-        vloss = F.smooth_l1_loss(pred, tgt[keep])
-        logp = F.log_softmax(pred @ lm_sub.T, -1)
+        vloss = F.smooth_l1_loss(pred, tgt[keep]) if wv else torch.zeros(())
+        logp = F.log_softmax(_draft_logits(head, pred, lm_sub), -1)
         ploss = -(p_t[keep] * logp).sum(-1).mean()
-        total = total + (0.8 ** j) * (vloss + 0.1 * ploss)
+        total = total + (0.8 ** j) * (wv * vloss + wp * ploss)
         acc = (t2d[nxt[ok]] == logp.argmax(-1)).float().mean()
         sfx = "" if j == 0 else str(j + 1)
         stats.update({f"vloss{sfx}": vloss.item(), f"ploss{sfx}": ploss.item(), f"acc{sfx}": acc.item()})
@@ -243,7 +317,7 @@ def depth_agreement(head, seqs: list[dict], embed, lm_sub, t2d, steps: int, batc
             feats, embeds, _, nxt, mask = _batch(seqs[i:i + batch], embed)
             for j, pred in enumerate(unrolled(head, feats, embeds, steps)):
                 ok = _with_input(mask, j)
-                hits[j] += (t2d[nxt[ok]] == (pred[ok] @ lm_sub.T).argmax(-1)).sum().item()
+                hits[j] += (t2d[nxt[ok]] == _draft_logits(head, pred[ok], lm_sub).argmax(-1)).sum().item()
                 count[j] += ok.sum().item()
     return [h / max(1, c) for h, c in zip(hits, count)]
 
@@ -303,6 +377,11 @@ def run(args: argparse.Namespace) -> None:
     _ensure_data(args, work, log)
     files = sorted((work / "data").glob("*.pt"))
     seqs = [s for f in files for s in torch.load(f, map_location="cpu") if s["hidden"].shape[0] >= 3]
+    aux = parse_aux_layers(args.aux_layers, _target_arch(args.target).num_layers) if args.method == "eagle" else ()
+    if seqs and bool(aux) != ("aux" in seqs[0]):
+        raise ValueError(f"train-draft: the data in {work / 'data'} " + (
+            "has no aux layer outputs: an EAGLE-3 head needs data generated with --aux-layers"
+            if aux else "is an EAGLE-3 head's (aux layer outputs): pass its --aux-layers"))
     if not seqs:
         raise ValueError(f"train-draft: no training data in {work / 'data'} "
                          "(generate some with --gen-minutes > 0)")
@@ -334,12 +413,22 @@ def run(args: argparse.Namespace) -> None:
             from specserve.spec_decode.heads_io import load_eagle
 
             model = load_eagle(args.init, arch, args.max_model_len + 64)[0]
-            log(f"initialised from {args.init}")
+            if aux and model.fuse is None:
+                model = grow_eagle3(model, aux, args.max_model_len + 64)
+                log(f"initialised from {args.init}, features fused with target layers {aux}")
+            else:
+                log(f"initialised from {args.init}")
         else:
-            model = EagleHead(replace(arch, num_layers=1), args.max_model_len + 64)  # the target's layer shape
+            # the target's layer shape
+            model = EagleHead(replace(arch, num_layers=1), args.max_model_len + 64, aux_layers=aux,
+                              out_norm=bool(aux))
+        if tuple(model.aux_layers) != aux:
+            raise ValueError(f"train-draft: --init {args.init} reads target layers {model.aux_layers}, "
+                             f"--aux-layers says {aux}")
 
         def loss_fn(model, batch, lm_sub, t2d, noise):
-            return _eagle_loss(model, batch, lm_sub, t2d, noise, args.unroll)
+            noise = noise if noise is not None else (0.2 if model.norm is None else 0.0)
+            return _eagle_loss(model, batch, lm_sub, t2d, noise, args.unroll, args.feature_loss)
 
         if held:
             def report() -> None:
