@@ -671,7 +671,7 @@ def test_an_eagle3_head_grown_from_an_eagle2_one_drafts_the_same(tmp_path):
     f, aux, e = torch.randn(1, 6, 64), torch.randn(1, 6, 128), torch.randn(1, 6, 64)
     with torch.no_grad():
         want = old(f, e, torch.arange(6))[0]
-        got = grown(grown.fuse(torch.cat([f, aux], -1)), e, torch.arange(6))[0]
+        got = grown(grown.fuse(grown.fuse_input(torch.cat([f, aux], -1))), e, torch.arange(6))[0]
     torch.testing.assert_close(got, want)
     save_eagle(grown, None, tmp_path / "grown", dtype=torch.float32)
     loaded = load_eagle(tmp_path / "grown", arch)[0]

@@ -105,7 +105,7 @@ class EagleProposer:
         cached at or past `start` is dropped first (rollback, recompute)."""
         hidden = hidden if hidden.dtype is self.dtype else hidden.to(self.dtype)
         if self._fuse is not None:
-            hidden = self._fuse(hidden)
+            hidden = self._fuse(self.head.fuse_input(hidden))
         rows, end = hidden.unbind(0), 0
         for rid, start, n in zip(request_ids, starts, sizes):
             c = self.cache.get(rid)

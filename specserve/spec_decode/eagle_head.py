@@ -105,6 +105,16 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([layer])
         self.rotary = RotaryEmbedding(arch, max_positions)
 
+    def fuse_input(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., (1 + layers) * hidden]: the final hidden states, then the inner layers' outputs
+        -> fuse's input: the final hidden states as they are, each inner layer's output scaled to
+        unit RMS per token (the residual stream grows with depth, with outliers of 1e4 at a few
+        tokens and channels, which would swamp the fusion)."""
+        h = self.arch.hidden_size
+        inner = features[..., h:].unflatten(-1, (-1, h))
+        scale = torch.rsqrt(inner.float().pow(2).mean(-1, keepdim=True) + self.arch.rms_norm_eps)
+        return torch.cat([features[..., :h], (inner * scale.to(inner.dtype)).flatten(-2)], -1)
+
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None):

@@ -248,7 +248,7 @@ def unrolled(head, feats: torch.Tensor, embeds: torch.Tensor, steps: int,
     import torch
 
     if head.fuse is not None:
-        feats = head.fuse(feats)
+        feats = head.fuse(head.fuse_input(feats))
     if noise:
         feats = feats + (torch.rand_like(feats) - 0.5) * noise
     b, t, _ = feats.shape
@@ -378,10 +378,12 @@ def run(args: argparse.Namespace) -> None:
     files = sorted((work / "data").glob("*.pt"))
     seqs = [s for f in files for s in torch.load(f, map_location="cpu") if s["hidden"].shape[0] >= 3]
     aux = parse_aux_layers(args.aux_layers, _target_arch(args.target).num_layers) if args.method == "eagle" else ()
-    if seqs and bool(aux) != ("aux" in seqs[0]):
-        raise ValueError(f"train-draft: the data in {work / 'data'} " + (
-            "has no aux layer outputs: an EAGLE-3 head needs data generated with --aux-layers"
-            if aux else "is an EAGLE-3 head's (aux layer outputs): pass its --aux-layers"))
+    if aux and seqs and "aux" not in seqs[0]:
+        raise ValueError(f"train-draft: the data in {work / 'data'} has no aux layer outputs: an "
+                         "EAGLE-3 head needs data generated with --aux-layers")
+    if not aux:  # an EAGLE-2 head (or Medusa) on an EAGLE-3 head's data: the final hidden states
+        for s in seqs:
+            s.pop("aux", None)
     if not seqs:
         raise ValueError(f"train-draft: no training data in {work / 'data'} "
                          "(generate some with --gen-minutes > 0)")
