@@ -44,7 +44,8 @@ def measure(llm, prompts: list[list[int]], max_tokens: int) -> dict:
         engine.spec.propose = timed(acc, "propose", engine.spec.propose)
         engine.spec.sample_and_verify = timed(acc, "verify", engine.spec.sample_and_verify)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.generate({"prompt_token_ids": prompts[0]}, params)  # warm-up
+    # warm-up on a prompt none measured shares (suffix decoding's corpus keeps what it answered)
+    llm.generate({"prompt_token_ids": prompts[0][::-1]}, params)
     acc.clear()
     by_rows.clear()
     tokens, decode_s = 0, 0.0
