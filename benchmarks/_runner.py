@@ -21,14 +21,12 @@ def prompt_features(runner, kv, req):
     """The target features an EAGLE head reads over a request's whole prompt: its final hidden
     states ([n, hidden]), then the aux layers' outputs where the model returns them; its KV
     computed (one forward; the caller frees the request's blocks)."""
-    import torch
-
     from specserve.scheduler.scheduler import SchedulerOutput
 
     kv.allocate(req, req.num_tokens)
     step = runner.execute(SchedulerOutput([req], [req.num_tokens], [0]))
     req.num_computed_tokens = req.num_tokens
-    return step.all_hidden if step.aux_hidden is None else torch.cat([step.all_hidden, step.aux_hidden], -1)
+    return step.features
 
 
 def timed(totals: dict, key: str, fn):

@@ -178,8 +178,8 @@ def test_padded_step_gives_the_unpadded_rows(eager_llm):
             assert torch.equal(out.logits.argmax(-1), eager.logits.argmax(-1))
             assert torch.allclose(out.logits, eager.logits, atol=1e-4, rtol=1e-4)
             assert torch.allclose(out.all_hidden, eager.all_hidden, atol=1e-4)
-            assert out.aux_hidden.shape == eager.aux_hidden.shape == (len(out.all_hidden), runner.arch.hidden_size)
-            assert torch.allclose(out.aux_hidden, eager.aux_hidden, atol=1e-4)
+            assert out.features.shape == eager.features.shape == (len(out.all_hidden), 2 * runner.arch.hidden_size)
+            assert torch.allclose(out.features, eager.features, atol=1e-4)
             assert torch.allclose(after[:, real], after_eager[:, real], atol=1e-5)  # the same slots
             assert torch.equal(after[:, free], before[:, free])  # no other block
             assert torch.equal(after_eager[:, null], before[:, null])  # the eager path leaves it alone

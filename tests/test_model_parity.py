@@ -103,7 +103,8 @@ def test_aux_layer_outputs_match_transformers_hidden_states(llm, hf_model):
     finally:
         runner.model.aux_layers = ()
     width = runner.arch.hidden_size
-    assert step.aux_hidden.shape == (len(ids), 3 * width) and step.all_hidden.shape == (len(ids), width)
+    aux = step.features[:, width:]
+    assert aux.shape == (len(ids), 3 * width) and step.all_hidden.shape == (len(ids), width)
     for j, i in enumerate(layers):
-        torch.testing.assert_close(step.aux_hidden[:, j * width:(j + 1) * width], ref[i + 1][0], atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(aux[:, j * width:(j + 1) * width], ref[i + 1][0], atol=1e-3, rtol=1e-4)
     assert (step.all_hidden - ref[-1][0]).abs().max().item() < 1e-3

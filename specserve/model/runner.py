@@ -75,9 +75,14 @@ class StepLogits:
     row_start: list[int]  # per scheduled request: first row, or -1 when it has none
     num_rows: list[int]  # per scheduled request: 0, 1 or 1 + num_drafts
     all_hidden: torch.Tensor  # [T, hidden] final hidden states of every token of the step
-    # [T, hidden * len(aux_layers)]: the outputs of the model's aux_layers for every token of
-    # the step (an EAGLE-3 head's features), or None when it has none
-    aux_hidden: torch.Tensor | None = None
+    # [T, model.output_width]: all_hidden followed by the outputs of the model's aux_layers for
+    # every token (what an EAGLE head reads; the forward's own output, all_hidden a view of it);
+    # all_hidden itself when there are no aux layers
+    features: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.features is None:
+            self.features = self.all_hidden
 
 
 class ModelRunner:
@@ -116,8 +121,8 @@ class ModelRunner:
         self.tp_size = 1 if tp is None else tp.size
         heads, kv_heads = local_heads(arch.num_heads, arch.num_kv_heads, self.tp_size)
         self.backend = get_attention_backend(self.device, self.dtype, (heads, kv_heads, arch.head_dim))
-        # callables (sched, hidden [T, hidden], aux [T, ...] or None) shown every step's final
-        # hidden states and aux layer outputs, before anything else reads them (training data
+        # callables (sched, features [T, model.output_width]) shown every step's final hidden
+        # states (and aux layers' outputs), before anything else reads them (training data
         # capture: spec_decode.training.data)
         self.hidden_hooks: list = []
         self.num_blocks = cache_config.num_blocks or self._blocks_for(cache_config.kv_cache_memory_gb)
@@ -178,16 +183,12 @@ class ModelRunner:
                 tree_parents, row_index)
         # tensor parallel: every worker runs the same forward on these inputs (model/tp_worker.py)
         every, hidden, logits = self.forward(*step) if self.tp is None else self.tp.run("forward", self.forward, step)
-        aux = None
-        if self.model.aux_layers:
-            width = self.arch.hidden_size
-            every, aux = every[:, :width], every[:, width:]
         for hook in self.hidden_hooks:
-            hook(sched, every, aux)
-        return StepLogits(logits, hidden, row_start, num_rows, every, aux)
+            hook(sched, every)
+        return StepLogits(logits, hidden, row_start, num_rows, every[:, :self.arch.hidden_size], every)
 
     def set_aux_layers(self, layers: tuple[int, ...]) -> None:
-        """Have every step also return the outputs of these decoder layers (StepLogits.aux_hidden);
+        """Have every step also return the outputs of these decoder layers (StepLogits.features);
         before prepare_steps (the compiled step and its graphs are built with them). Under tensor
         parallelism rank 0's model alone: every rank holds the whole residual stream."""
         if self.steps is not None:

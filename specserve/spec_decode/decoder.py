@@ -213,7 +213,7 @@ class SpecDecoder:
             off += n
         # [off, hidden]: every row of the step (then the aux layers' outputs, which the model
         # returns only for a proposer that reads them: methods.aux_layers)
-        hidden = step.all_hidden if step.aux_hidden is None else torch.cat([step.all_hidden, step.aux_hidden], -1)
+        hidden = step.features
         if len(index) < off:  # drafts not accepted
             # index is increasing: a run of rows (first-choice paths accepted) is a view
             first = index[0]  # (every scheduled request commits at least one token)

@@ -88,8 +88,7 @@ class EagleProposer:
         f32_kernel = not quantize and f32_kernel_for(param, head.arch.hidden_size, head.arch.intermediate_size)
         self.draft = DraftPass(self.head, lambda w, b: draft_linear(w, b, quantize, f32_kernel))
         # an EAGLE-3 head: target features are its fusion of the final hidden states and inner
-        # layers' outputs (the decoder shows it those: StepLogits.aux_hidden)
-        self.aux_layers = head.aux_layers
+        # layers' outputs (the decoder shows it those: StepLogits.features)
         self._fuse = (None if head.fuse is None
                       else draft_linear(self.head.fuse.weight, None, quantize, f32_kernel))
         lm_head, self.d2t = draft_lm_head(None, param, d2t, quantize, f32_kernel)  # spec_decode.quant

@@ -211,9 +211,8 @@ def generate_chunks(llm, prompts: list[str], out_dir: Path, chunk: int, max_toke
     runner = llm.engine.runner
     captured: dict[str, dict[int, torch.Tensor]] = {}
 
-    def capture(sched, every: torch.Tensor, aux: torch.Tensor | None) -> None:
-        rows_of = every if aux is None else torch.cat([every, aux], -1)
-        hidden, off = rows_of.to("cpu", torch.float16), 0  # one copy per step
+    def capture(sched, features: torch.Tensor) -> None:
+        hidden, off = features.to("cpu", torch.float16), 0  # one copy per step
         for req, n in zip(sched.requests, sched.num_tokens):
             rows = captured.setdefault(req.request_id, {})
             for j in range(n):
