@@ -91,6 +91,9 @@ def test_eagle_only_options_fail_fast_for_medusa(tmp_path):
     bad = run_cli("--method", "medusa", "--init", str(tmp_path / "head"), "--out", str(tmp_path / "out"))
     assert bad.returncode == 2 and "--init applies to --method eagle only" in bad.stderr
     assert not (tmp_path / ".out-work").exists()  # nothing generated or created before the check
+    bad = run_cli("--method", "medusa", "--aux-layers", "auto", "--out", str(tmp_path / "out"))
+    assert bad.returncode == 2 and "--aux-layers applies to --method eagle only" in bad.stderr
+    assert not (tmp_path / ".out-work").exists()
 
 
 def test_train_draft_an_eagle3_head(tmp_path):

@@ -161,13 +161,6 @@ def grow_eagle3(head, aux: tuple[int, ...], max_positions: int):
     return grown
 
 
-def _target_arch(target: str):
-    from specserve.model.arch import ModelArch
-    from specserve.model.loader import resolve_model_dir
-
-    return ModelArch.from_dir(resolve_model_dir(target))
-
-
 def _target_weights(target: str):
     from specserve.model.arch import ModelArch
     from specserve.model.loader import load_safetensors, resolve_model_dir
@@ -362,6 +355,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("train-draft: --unroll must be >= 1")
     if args.init and args.method != "eagle":
         raise ValueError("train-draft: --init applies to --method eagle only")
+    if args.aux_layers and args.method != "eagle":
+        raise ValueError("train-draft: --aux-layers applies to --method eagle only")
 
     torch.manual_seed(args.seed)
     out = Path(args.out)
@@ -377,7 +372,8 @@ def run(args: argparse.Namespace) -> None:
     _ensure_data(args, work, log)
     files = sorted((work / "data").glob("*.pt"))
     seqs = [s for f in files for s in torch.load(f, map_location="cpu") if s["hidden"].shape[0] >= 3]
-    aux = parse_aux_layers(args.aux_layers, _target_arch(args.target).num_layers) if args.method == "eagle" else ()
+    arch, embed, lm_head = _target_weights(args.target)
+    aux = parse_aux_layers(args.aux_layers, arch.num_layers)
     if aux and seqs and "aux" not in seqs[0]:
         raise ValueError(f"train-draft: the data in {work / 'data'} has no aux layer outputs: an "
                          "EAGLE-3 head needs data generated with --aux-layers")
@@ -395,7 +391,6 @@ def run(args: argparse.Namespace) -> None:
         f"from {len(files)} chunks")
 
     # 2. vocabulary
-    arch, embed, lm_head = _target_weights(args.target)
     d2t = build_draft_vocab(seqs, args.draft_vocab, arch.vocab_size)
     t2d = torch.arange(arch.vocab_size) if d2t is None else torch.full((arch.vocab_size,), -1).index_put_(
         (d2t,), torch.arange(d2t.numel()))
