@@ -4,13 +4,17 @@ The kernel (specserve/kernels/triton/paged_attention.py) launches with constants
 every step -- the query rows a program holds (BLOCK_M), the keys per partition (PARTITION_SIZE),
 and per head size the keys per tile, warps and pipeline stages (CONFIG) -- because a row's bits
 must not depend on the batch it is in. Which values are fastest is a property of the GPU. This
-script times each combination of the candidates below on decode cases (one query per request)
-and tree cases (a 64-node tree per request), each against PyTorch SDPA on the same data (flash
-for decode, a dense mask for trees), and prints per combination the geometric mean of "SDPA time
-/ ours" over the cases, best first, with the per-case figures in OUT/attention_tune.json.
+script times combinations of the candidates below on decode cases (one query per request) and
+tree cases (a 64-node tree per request), each against PyTorch SDPA on the same data (flash for
+decode, a dense mask for trees), and prints per combination the geometric mean of "SDPA time /
+ours" over the cases, best first, with the per-case figures in OUT/attention_tune.json.
 
-    python benchmarks/attention_tune.py --out DIR                       # the default grid (~2-4 min on an H100)
-    python benchmarks/attention_tune.py --block-n 32,64 --stages 2,3 --block-m 16,64 --warps 4,8
+The default search is a coordinate descent from the shipped constants: each round tries every
+other value of one knob at a time, keeping the best so far, until a round finds nothing better
+or the time budget (--budget-s) runs out; --search grid times every combination instead.
+
+    python benchmarks/attention_tune.py --out DIR --budget-s 200        # descent (~20 combinations)
+    python benchmarks/attention_tune.py --search grid --block-n 32,64 --stages 2,3 --prefetch 0,1
     python benchmarks/attention_tune.py --device cpu --quick            # a smoke run under the interpreter
 
 Set the winner in paged_attention.py (CONFIG, BLOCK_M, PARTITION_SIZE) and run
@@ -24,6 +28,7 @@ import json
 import math
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -35,7 +40,10 @@ def parse_args(argv=None):
     p.add_argument("--warps", type=ints, default=[4, 8])
     p.add_argument("--stages", type=ints, default=[2, 3])
     p.add_argument("--block-m", type=ints, default=[16, 64], help="query rows per program")
-    p.add_argument("--partition", type=ints, default=[256, 512], help="keys per partition")
+    p.add_argument("--partition", type=ints, default=[128, 256, 512], help="keys per partition")
+    p.add_argument("--prefetch", type=ints, default=[0, 1], help="1: load the next K/V tile before the math")
+    p.add_argument("--search", choices=["descent", "grid"], default="descent")
+    p.add_argument("--budget-s", type=float, default=240.0, help="stop trying combinations after this long")
     p.add_argument("--cases", default="decode:1:1024,decode:1:16384,decode:16:4096,decode:64:16384,"
                                       "tree:1:4096,tree:16:4096",
                    help="kind:requests:context, comma-separated")
@@ -45,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--quick", action="store_true", help="two combinations, tiny shapes (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="two knobs of two values, tiny shapes (a smoke run)")
     p.add_argument("--out", default="benchmarks/out")
     return p.parse_args(argv)
 
@@ -73,6 +81,7 @@ def run(args) -> list[dict]:
         args.num_q_heads, args.num_kv_heads, args.head_dim, args.tree_size = 4, 2, 64, 8
         args.cases = "decode:1:300,tree:1:300"
         args.block_n, args.warps, args.stages, args.block_m, args.partition = [64], [4], [2], [16, 64], [256]
+        args.prefetch = [0, 1]
     D = args.head_dim
 
     def timed(fn):
@@ -105,17 +114,23 @@ def run(args) -> list[dict]:
         print(f"[tune] {kind} {B} x {ctx}: SDPA {data[-1][2] * 1e3:.1f} us", flush=True)
 
     saved = (dict(pa.CONFIG[D]), pa.BLOCK_M, pa.PARTITION_SIZE)
-    results = []
-    combos = list(itertools.product(args.block_n, args.warps, args.stages, args.block_m, args.partition))
-    print(f"[tune] {len(combos)} combinations x {len(data)} cases", flush=True)
-    try:
-        for i, (block_n, warps, stages, block_m, part) in enumerate(combos):
-            if block_n < args.block_size or part % block_n or part < args.block_size:
-                continue
-            pa.CONFIG[D] = dict(block_n=block_n, num_warps=warps, num_stages=stages)
-            pa.BLOCK_M, pa.PARTITION_SIZE = block_m, part
-            row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "block_m": block_m,
-                   "partition": part, "cases": {}}
+    knobs = {"prefetch": args.prefetch, "num_stages": args.stages, "block_n": args.block_n,
+             "num_warps": args.warps, "block_m": args.block_m, "partition": args.partition}
+    results, tried = [], {}
+    t_end = time.monotonic() + args.budget_s
+
+    def measure(combo):
+        """Time one combination (a dict of the knobs) over every case; memoised."""
+        key = tuple(combo[k] for k in knobs)
+        if key in tried:
+            return tried[key]
+        row = dict(combo, cases={})
+        if combo["block_n"] < args.block_size or combo["partition"] % combo["block_n"]:
+            row["error"] = "skipped: block_n must divide the partition and hold a KV block"
+        else:
+            pa.CONFIG[D] = dict(block_n=combo["block_n"], num_warps=combo["num_warps"],
+                                num_stages=combo["num_stages"], prefetch=bool(combo["prefetch"]))
+            pa.BLOCK_M, pa.PARTITION_SIZE = combo["block_m"], combo["partition"]
             try:
                 for (kind, B, ctx), ours, base_ms, want in data:
                     err = float((ours().float() - want.float()).abs().max())  # (compiled outside the timing)
@@ -128,21 +143,50 @@ def run(args) -> list[dict]:
                 row["min_vs_sdpa"] = min(ratios)
             except Exception as e:  # a combination that does not compile (shared memory, ...)
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            results.append(row)
-            print(f"[tune] {i + 1}/{len(combos)} block_n {block_n} warps {warps} stages {stages} "
-                  f"block_m {block_m} partition {part}: "
-                  + (row.get("error") or f"geomean {row['geomean_vs_sdpa']}x, min {row['min_vs_sdpa']}x SDPA"),
-                  flush=True)
-    finally:
-        pa.CONFIG[D], pa.BLOCK_M, pa.PARTITION_SIZE = saved
+            finally:
+                pa.CONFIG[D], pa.BLOCK_M, pa.PARTITION_SIZE = dict(saved[0]), saved[1], saved[2]
+        tried[key] = row
+        results.append(row)
+        print(f"[tune] {len(results)} " + " ".join(f"{k} {combo[k]}" for k in knobs) + ": "
+              + (row.get("error") or f"geomean {row['geomean_vs_sdpa']}x, min {row['min_vs_sdpa']}x SDPA"),
+              flush=True)
+        return row
+
+    def score(row):
+        return row.get("geomean_vs_sdpa", 0.0)
+
+    if args.search == "grid":
+        for values in itertools.product(*knobs.values()):
+            if time.monotonic() > t_end:
+                print("[tune] time budget spent", flush=True)
+                break
+            measure(dict(zip(knobs, values)))
+    else:
+        cur = {"prefetch": int(bool(saved[0].get("prefetch"))), "num_stages": saved[0]["num_stages"],
+               "block_n": saved[0]["block_n"], "num_warps": saved[0]["num_warps"], "block_m": saved[1],
+               "partition": saved[2]}
+        best = measure(cur)
+        improved = True
+        while improved and time.monotonic() < t_end:
+            improved = False
+            for name, values in knobs.items():
+                for v in values:
+                    if v == cur[name] or time.monotonic() > t_end:
+                        continue
+                    row = measure(dict(cur, **{name: v}))
+                    if score(row) > score(best):
+                        best, cur, improved = row, dict(cur, **{name: v}), True
+        if time.monotonic() >= t_end:
+            print("[tune] time budget spent", flush=True)
     ok = sorted((r for r in results if "error" not in r), key=lambda r: -r["geomean_vs_sdpa"])
     print("\nbest first (SDPA time / ours; > 1: ours faster)")
     names = list(ok[0]["cases"]) if ok else []
-    print(f"{'block_n':>7s} {'warps':>5s} {'stages':>6s} {'block_m':>7s} {'part':>5s} {'geomean':>8s} "
+    print(f"{'prefetch':>8s} {'stages':>6s} {'block_n':>7s} {'warps':>5s} {'block_m':>7s} {'part':>5s} {'geomean':>8s} "
           + " ".join(f"{n:>16s}" for n in names))
     for r in ok[:12]:
-        print(f"{r['block_n']:7d} {r['num_warps']:5d} {r['num_stages']:6d} {r['block_m']:7d} {r['partition']:5d} "
-              f"{r['geomean_vs_sdpa']:8.3f} " + " ".join(f"{r['cases'][n]['vs_sdpa']:16.3f}" for n in names))
+        print(f"{r['prefetch']:8d} {r['num_stages']:6d} {r['block_n']:7d} {r['num_warps']:5d} {r['block_m']:7d} "
+              f"{r['partition']:5d} {r['geomean_vs_sdpa']:8.3f} "
+              + " ".join(f"{r['cases'][n]['vs_sdpa']:16.3f}" for n in names))
     print(f"(now: {saved[0]}, BLOCK_M {saved[1]}, PARTITION_SIZE {saved[2]})")
     return results
 

@@ -90,30 +90,59 @@ def _q_block(q_ptr, q_start, q_len, qb, kv_head, stride_qt, stride_qh, stride_qd
 
 
 @triton.jit
+def _kv_tile(start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, stride_bt,
+             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Keys start .. start + BLOCK_N - 1 (those < kv_hi): BLOCK_N / BLOCK_SIZE block-table entries
+    # (int32, cached), then K^T [HEAD_DIM, BLOCK_N] and V [BLOCK_N, HEAD_DIM] (contiguous HEAD_DIM
+    # rows). A tile past kv_hi is all masked: no memory traffic.
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_pos = start + offs_n
+    k_ok = k_pos < kv_hi
+    block_id = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    k_off = (block_id * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks)[None, :] + kv_head * stride_kh \
+        + offs_d[:, None] * stride_kd
+    k = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :], other=0.0)
+    v_off = (block_id * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs)[:, None] + kv_head * stride_vh \
+        + offs_d[None, :] * stride_vd
+    v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None], other=0.0)
+    return k_pos, k_ok, k, v
+
+
+@triton.jit
 def _partition_state(q, tok, row_ok, q_start, prefix_len, kv_lo, kv_hi, seq, kv_head, sm_scale_log2,
                      k_cache_ptr, v_cache_ptr, block_tables_ptr, tree_mask_ptr,
                      stride_kb, stride_ks, stride_kh, stride_kd,
                      stride_vb, stride_vs, stride_vh, stride_vd,
                      stride_bt, stride_mt,
                      BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, TREE_MASK: tl.constexpr):
+                     BLOCK_N: tl.constexpr, TREE_MASK: tl.constexpr, PREFETCH: tl.constexpr):
     # Online softmax of the rows over keys kv_lo .. kv_hi - 1 (kv_lo: a partition's start).
     # Returns the partition's (m, l, acc) in the log2 domain, acc not normalised.
+    # PREFETCH: each iteration issues the next tile's loads before computing on the current one
+    # (registers double-buffered by hand), so the table -> K/V load chain of one tile overlaps
+    # the previous tile's math; the arithmetic, and so the bits, are the same either way.
     q_pos = prefix_len + tok  # context position of each row
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if PREFETCH:
+        k_pos, k_ok, k, v = _kv_tile(kv_lo, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                                     stride_kb, stride_ks, stride_kh, stride_kd,
+                                     stride_vb, stride_vs, stride_vh, stride_vd, stride_bt,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_N)
     for start in range(kv_lo, kv_hi, BLOCK_N):
-        # BLOCK_N / BLOCK_SIZE block-table entries (int32, cached), then K for BLOCK_N keys:
-        # BLOCK_N * HEAD_DIM elements (contiguous HEAD_DIM rows).
-        k_pos = start + offs_n
-        k_ok = k_pos < kv_hi
-        block_id = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
-        k_slot = block_id.to(tl.int64) * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks
-        k_off = k_slot[None, :] + kv_head * stride_kh + offs_d[:, None] * stride_kd
-        k = tl.load(k_cache_ptr + k_off, mask=k_ok[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+        if PREFETCH:
+            k_pos_n, k_ok_n, k_n, v_n = _kv_tile(start + BLOCK_N, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr,
+                                                 block_tables_ptr, stride_kb, stride_ks, stride_kh, stride_kd,
+                                                 stride_vb, stride_vs, stride_vh, stride_vd, stride_bt,
+                                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N)
+        else:
+            k_pos, k_ok, k, v = _kv_tile(start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                                         stride_kb, stride_ks, stride_kh, stride_kd,
+                                         stride_vb, stride_vs, stride_vh, stride_vd, stride_bt,
+                                         HEAD_DIM, BLOCK_SIZE, BLOCK_N)
         s = tl.dot(q, k) * sm_scale_log2  # [BLOCK_M, BLOCK_N], log2 domain
         if TREE_MASK:
             # Prefix always visible; node j visible iff bit j of the row's mask is set
@@ -133,12 +162,10 @@ def _partition_state(q, tok, row_ok, q_start, prefix_len, kv_lo, kv_hi, seq, kv_
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = tl.fma(l_i, alpha, tl.sum(p, 1))  # explicit fma: no contraction left to the compiler
-        # V for BLOCK_N keys (BLOCK_N * HEAD_DIM elements), then P @ V into the rescaled acc.
-        v_slot = block_id.to(tl.int64) * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs
-        v_off = v_slot[:, None] + kv_head * stride_vh + offs_d[None, :] * stride_vd
-        v = tl.load(v_cache_ptr + v_off, mask=k_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # P @ V into the rescaled acc
         m_i = m_new
+        if PREFETCH:
+            k_pos, k_ok, k, v = k_pos_n, k_ok_n, k_n, v_n
     return m_i, l_i, acc
 
 
@@ -176,6 +203,7 @@ def _attn_fused_kernel(
     stride_bt, stride_mt,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, TREE_MASK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # grid = (cdiv(max_query_len, BLOCK_Q), Hkv, B): query blocks of one (kv head, request)
     # are neighbours in launch order, so they share its K/V reads in L2.
@@ -200,7 +228,7 @@ def _attn_fused_kernel(
                                      seq, kv_head, sm_scale_log2, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                                      tree_mask_ptr, stride_kb, stride_ks, stride_kh, stride_kd,
                                      stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, stride_mt,
-                                     BM, HEAD_DIM, BLOCK_SIZE, BLOCK_N, TREE_MASK)
+                                     BM, HEAD_DIM, BLOCK_SIZE, BLOCK_N, TREE_MASK, PREFETCH)
         M, L, ACC = _merge(M, L, ACC, m_p, l_p, acc_p)
     offs_d = tl.arange(0, HEAD_DIM)
     o_off = (q_start + tok)[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -223,6 +251,7 @@ def _attn_split_kernel(
     stride_at, stride_ah, stride_ap,  # of part_acc (head_dim stride 1)
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, TREE_MASK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # grid = (NP, Hkv, B): one program per (partition, kv head, request) reads the partition's
     # K/V once for all the request's query tokens (all the nodes of a tree).
@@ -248,7 +277,7 @@ def _attn_split_kernel(
                                      seq, kv_head, sm_scale_log2, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                                      tree_mask_ptr, stride_kb, stride_ks, stride_kh, stride_kd,
                                      stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, stride_mt,
-                                     BM, HEAD_DIM, BLOCK_SIZE, BLOCK_N, TREE_MASK)
+                                     BM, HEAD_DIM, BLOCK_SIZE, BLOCK_N, TREE_MASK, PREFETCH)
         t = q_start + tok
         last = (prefix_len + tok) // PARTITION  # the row's last partition
         if part == 0:
@@ -371,6 +400,7 @@ def launch_paged_attn(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
               block_tables.stride(0), stride_mt)
     meta = dict(GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_SIZE=block_size,
                 BLOCK_N=block_n, PARTITION=PARTITION_SIZE, TREE_MASK=tree_mask is not None,
+                PREFETCH=bool(tile.get("prefetch", False)),
                 num_warps=tile["num_warps"], num_stages=tile["num_stages"])
     if not split:
         grid = (triton.cdiv(max_query_len, block_q), Hkv, B)

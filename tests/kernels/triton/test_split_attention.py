@@ -175,6 +175,22 @@ def test_tree_path_rows_equal_paged_rows(make_batch, cfg):
     torch.testing.assert_close(tree[7:], tree_attention_ref(**b, tree_mask=mask)[7:], atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=_ids)
+def test_prefetch_gives_the_same_bits(make_batch, cfg, monkeypatch):
+    """Loading the next K/V tile before computing on the current one (CONFIG's "prefetch")
+    changes the schedule, not the arithmetic: paged and tree rows, both launch modes."""
+    hq, hkv, D, bs = cfg
+    trees = [_random_parents(20, 3), torch.tensor([-1]), torch.arange(-1, 4)]  # bushy, decode, chain
+    b = make_batch([len(t) for t in trees], [P - 7, 2 * P + 3, 40], hq, hkv, D, bs, device=DEV, seed=8)
+    mask = torch.cat([tree_mask_from_parents(t, 1) for t in trees]).to(DEV)
+    kw = dict(b, max_query_len=20)
+    before = [_both_modes(kw), _both_modes(kw, tree_mask=mask)]
+    assert not pa.CONFIG[D].get("prefetch")
+    monkeypatch.setitem(pa.CONFIG, D, dict(pa.CONFIG[D], prefetch=True))
+    after = [_both_modes(kw), _both_modes(kw, tree_mask=mask)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 16)])
