@@ -213,6 +213,9 @@ def test_step_mode():
     assert step_mode(cuda)[0] and step_mode(cuda)[1] == torch.cuda.is_available()
     assert step_mode(cuda, enforce_eager=True) == (False, False)
     assert step_mode(cuda, quantization="int8") == (False, False)
+    # batch-invariant: graphs over the uncompiled step (eager steps past the buckets round alike)
+    assert step_mode(cuda, batch_invariant=True) == (False, torch.cuda.is_available())
+    assert step_mode(cpu, batch_invariant=True) == (False, False)
 
 
 def _sample_steps(steps):

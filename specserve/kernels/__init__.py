@@ -1,8 +1,8 @@
 """Our kernels, one subpackage per path, and the dispatch of the attention, KV-cache and
-batch-invariant linear ops.
+batch-invariant linear and RMSNorm ops.
 
 * ``specserve.kernels.triton``: the GPU's Triton kernels (paged and tree attention,
-  KV-cache writes, the batch-invariant linear layer), each op beside a plain PyTorch
+  KV-cache writes, the batch-invariant linear layer and RMSNorm), each op beside a plain PyTorch
   reference with the same signature.
 * ``specserve.kernels.cpu``: the CPU's C kernels for x86 with AVX2/FMA (linear layers,
   a layer's small ops, paged attention, greedy verification), built at first use by
@@ -29,6 +29,7 @@ from specserve.env import env_str
 from .triton.kv_write import compact_kv_ref, compact_kv_triton, write_kv_ref, write_kv_triton
 from .triton.matmul import linear_invariant_ref, linear_invariant_triton
 from .triton.paged_attention import HAS_TRITON, paged_attention_ref, paged_attention_triton
+from .triton.rms_norm import rms_norm_invariant_triton, rms_norm_ref
 from .triton.tree_attention import (
     causal_tree_mask,
     dense_mask_attention_ref,
@@ -47,6 +48,7 @@ __all__ = [
     "write_kv", "write_kv_ref", "write_kv_triton",
     "compact_kv", "compact_kv_ref", "compact_kv_triton",
     "linear_invariant", "linear_invariant_ref", "linear_invariant_triton",
+    "rms_norm_invariant", "rms_norm_ref", "rms_norm_invariant_triton",
 ]
 
 
@@ -89,3 +91,8 @@ def compact_kv(k_cache, v_cache, src_slots, dst_slots) -> None:
 def linear_invariant(x, weight, bias=None) -> torch.Tensor:
     fn = linear_invariant_triton if use_triton(x.device) else linear_invariant_ref
     return fn(x, weight, bias)
+
+
+def rms_norm_invariant(x, weight, eps: float) -> torch.Tensor:
+    fn = rms_norm_invariant_triton if use_triton(x.device) else rms_norm_ref
+    return fn(x, weight, eps)

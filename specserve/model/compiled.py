@@ -18,6 +18,11 @@ What runs where (`step_mode`):
   on PyTorch ops only (inductor's CPU code; no graphs), which is slower than the C kernels and
   is there to test the compiled step without a GPU.
 * Never with int8 weights (their products are C kernels).
+* `batch_invariant` (`--batch-invariant`): graphs over the uncompiled forward, never compiled.
+  Steps past the buckets run the eager forward, and the compiler's fused elementwise code rounds
+  otherwise than the eager ops do (bfloat16 intermediates kept in float32, FMAs): a prompt
+  prefilled eagerly in one engine and through the compiled step in another would leave other
+  K/V bits. Uncompiled, every step of every engine runs the same ops.
 
 Inside the compiled region (a decoder layer) nothing reads an environment variable or a value
 from the device, and every op's metadata is a tensor: `fullgraph=True` holds
@@ -41,7 +46,8 @@ from specserve.model.step_buffers import Bucket, StepBuffers, bucket_of, buckets
 MAX_WIDTH = 64  # the longest query a bucket holds when speculating (verify rows, calibration)
 
 
-def step_mode(device: torch.device, enforce_eager: bool = False, quantization: str = "none") -> tuple[bool, bool]:
+def step_mode(device: torch.device, enforce_eager: bool = False, quantization: str = "none",
+              batch_invariant: bool = False) -> tuple[bool, bool]:
     """(compile, graphs) for a target on `device`: see the module's docstring."""
     if enforce_eager or quantization != "none":
         return False, False
@@ -49,7 +55,10 @@ def step_mode(device: torch.device, enforce_eager: bool = False, quantization: s
     if choice not in ("auto", "0", "1"):
         raise ValueError(f"SPECSERVE_COMPILE: expected auto, 0 or 1, got {choice!r}")
     cuda = device.type == "cuda"
-    return choice == "1" or (choice == "auto" and cuda), cuda and torch.cuda.is_available()
+    graphs = cuda and torch.cuda.is_available()
+    if batch_invariant and cuda:
+        return False, graphs
+    return choice == "1" or (choice == "auto" and cuda), graphs
 
 
 def _pow2_at_least(n: int) -> int:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels.cpu import layer_ops
+from specserve.kernels.triton.rms_norm import rms_norm_ref
 from specserve.model.arch import ModelArch
 from specserve.model.attention import AttentionMetadata
 
@@ -58,6 +59,7 @@ class Linear(nn.Linear):
 
 class RMSNorm(nn.Module):
     fused = False  # specserve.kernels.cpu.layer_ops for `add`: see LlamaForCausalLM.use_layer_ops
+    invariant = False  # through specserve::rms_norm_invariant (CUDA, --batch-invariant): see use_invariant_products
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -72,12 +74,11 @@ class RMSNorm(nn.Module):
         return self(total), total
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return torch.ops.specserve.rms_norm_invariant(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # the same bits, one call
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
@@ -248,13 +249,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_kernel = Int8Linear.from_linear(self.lm_head)
 
     def use_invariant_products(self) -> None:
-        """Every product, the LM head's too, through the batch-invariant kernel
-        (specserve::linear_invariant, model/linear_ops.py): a row's bits then never depend on
-        the rows beside it, which cuBLAS's choice of kernel by row count does not give."""
-        import specserve.model.linear_ops  # noqa: F401 (registers the op)
+        """Every product, the LM head's too, and every norm through the batch-invariant kernels
+        (specserve::linear_invariant and specserve::rms_norm_invariant, model/invariant_ops.py):
+        a row's bits then never depend on the rows beside it, which cuBLAS's choice of kernel by
+        row count and PyTorch's (or the compiler's) split of a row's reduction do not give."""
+        import specserve.model.invariant_ops  # noqa: F401 (registers the ops)
 
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, RMSNorm)):
                 module.invariant = True
         self.lm_head_t = None  # (the LM head through its Linear)
 

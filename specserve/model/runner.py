@@ -113,7 +113,8 @@ class ModelRunner:
         from specserve.model.compiled import step_mode
 
         # (compile, graphs) of the step (model/compiled.py); a compiled CPU step uses no C kernel
-        self.step_mode = step_mode(self.device, model_config.enforce_eager or tp is not None, self.quantization)
+        self.step_mode = step_mode(self.device, model_config.enforce_eager or tp is not None, self.quantization,
+                                   model_config.batch_invariant)
         self.model.finalize_weights(c_kernels=not self.step_mode[0])
         if model_config.batch_invariant and self.device.type == "cuda":
             self.model.use_invariant_products()

@@ -1,4 +1,4 @@
-"""The batch-invariant linear (specserve/kernels/triton/matmul.py, the op in model/linear_ops.py):
+"""The batch-invariant linear (specserve/kernels/triton/matmul.py, the op in model/invariant_ops.py):
 agreement with F.linear and the reference, several K partitions with ragged tails, both launch
 modes giving the same bits, and the invariance itself: a row's bits alone, in a batch, in a
 permuted batch and in a sub-batch.
@@ -95,7 +95,7 @@ def test_the_op_dispatch_and_compile(monkeypatch):
     """specserve::linear_invariant: the Triton kernel where use_triton says so (here forced, the
     interpreter on CPU), else the reference; traced whole by torch.compile(fullgraph=True) through
     its fake, with a dynamic number of rows."""
-    from specserve.model.linear_ops import linear_invariant as op
+    from specserve.model.invariant_ops import linear_invariant as op
 
     x, w, b = _inputs(6, 70, 200, torch.float32)
     monkeypatch.setenv("SPECSERVE_KERNELS", "torch")
@@ -150,20 +150,28 @@ def test_the_flag_reaches_the_model_config():
 
 
 def test_speculation_over_invariant_products_is_plain_decoding(make_llm, tmp_path, default_model_dir, monkeypatch):
-    """bfloat16, every product (LM head included) through the kernel: ngram's verify steps give
-    exactly plain decoding's tokens, batch of two; every product of every step went through the
-    op (counted by the weights' shapes: the LM head's every step, and the layers' products)."""
+    """bfloat16, every product (LM head included) and every norm through the kernels: ngram's
+    verify steps give exactly plain decoding's tokens, batch of two; every product of every step
+    went through the op (counted by the weights' shapes: the LM head's every step, and the
+    layers' products), and every norm through its op."""
     from specserve import kernels
     from tests.conftest import write_tiny_model
 
+    from specserve.model.llama import Linear, RMSNorm
+
     monkeypatch.setenv("SPECSERVE_KERNELS", "triton")  # interpreted (tests/kernels/conftest.py)
-    shapes = []
-    products = kernels.linear_invariant
+    shapes, norms = [], []
+    products, norm = kernels.linear_invariant, kernels.rms_norm_invariant
 
     def counted(x, weight, bias=None):
         shapes.append(tuple(weight.shape))
         return products(x, weight, bias)
+
+    def counted_norm(x, weight, eps):
+        norms.append(x.shape[-1])
+        return norm(x, weight, eps)
     monkeypatch.setattr(kernels, "linear_invariant", counted)
+    monkeypatch.setattr(kernels, "rms_norm_invariant", counted_norm)
     model = write_tiny_model(tmp_path / "m", default_model_dir, vocab_size=256, hidden=64)
     outs = []
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}):
@@ -171,9 +179,14 @@ def test_speculation_over_invariant_products_is_plain_decoding(make_llm, tmp_pat
         llm.engine.runner.model.use_invariant_products()
         outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)])
         steps = llm.engine.stats.num_steps
-        linears = [m for m in llm.engine.runner.model.modules() if hasattr(m, "invariant")]
-        assert linears and all(m.invariant for m in linears)
-        # every Linear of the model (the LM head too: vocabulary 256) ran through the op, every step
+        modules = list(llm.engine.runner.model.modules())
+        linears = [m for m in modules if isinstance(m, Linear)]
+        layer_norms = [m for m in modules if isinstance(m, RMSNorm)]
+        assert linears and layer_norms and all(m.invariant for m in linears + layer_norms)
+        # every Linear of the model (the LM head too: vocabulary 256) ran through the op, every step;
+        # every norm (the final one too) through the norm's
         assert shapes.count((256, 64)) >= steps > 0 and len(shapes) >= steps * (len(linears) - 1)
+        assert len(norms) >= steps * len(layer_norms)
         shapes.clear()
+        norms.clear()
     assert outs[0] == outs[1]
