@@ -80,7 +80,8 @@ def run(args) -> list[dict]:
     if args.quick:
         args.num_q_heads, args.num_kv_heads, args.head_dim, args.tree_size = 4, 2, 64, 8
         args.cases = "decode:1:300,tree:1:300"
-        args.block_n, args.warps, args.stages, args.block_m, args.partition = [64], [4], [2], [16, 64], [256]
+        args.block_n, args.warps, args.stages, args.block_m = [64], [4], [2], [16, 64]
+        args.partition = [pa.PARTITION_SIZE]
         args.prefetch = [0, 1]
     D = args.head_dim
 
