@@ -88,6 +88,14 @@ def test_dry_run_records_every_part(dry_run):
     assert all(real["bfloat16.plain"][f"c{c}"]["tok_s"] > 0 for c in conc)
     assert all(real["bfloat16.ngram"][f"c{c}"]["mismatch"] == 0 for c in conc)
     assert "head" in real["bfloat16.eagle"]["error"]
+    # at the most in flight, the engine's phases: each a share of the wall time, the rest too
+    top = max(conc)
+    for method in ("plain", "ngram"):
+        ph = real[f"bfloat16.{method}"][f"phases_c{top}"]
+        assert ph["steps"] >= ph["decode_steps"] > 0 and ph["forward"] > 0 and ph["tok_s"] > 0
+        assert ph["rest_ms"] >= 0 and ph["forward"] + ph.get("propose", 0) + ph.get("verify", 0) \
+            <= ph["wall_ms_per_step"] + 1e-3
+    assert real["bfloat16.ngram"][f"phases_c{top}"]["propose"] >= 0
 
     # the markdown: a status row per part and a section per measured part
     for p in gpu.PARTS:
@@ -96,6 +104,7 @@ def test_dry_run_records_every_part(dry_run):
                   "## Greedy equality", "## Real model"):
         assert title in md
     assert "| eager | 4 |" in md and "| float32 | ngram |" in md
+    assert f"- bfloat16.ngram, {top} in flight, each phase synchronised:" in md
 
 
 def test_quick_run_skips_the_real_model_with_its_reason(tmp_path):

@@ -27,8 +27,10 @@ that a part which fails, hangs or poisons the CUDA context is recorded (status "
 6. real_model: the default model (its GGUF converted), plain vs ngram vs eagle at 1/4/16/64
    in flight on Spec-Bench questions as chat, 128 tokens, greedy: tok/s, speedup over plain,
    tokens per verify step, outputs that differ from plain's, steps that ran eagerly or failed,
-   and each speculative method's steps profiled at one request. Skipped, with the reason, when
-   the model's package or `gguf` is missing.
+   and each speculative method's steps profiled at one request; then, at the most in flight,
+   each method's decode steps cut into the engine's phases (forward, drafting, verification,
+   the rest), each synchronised. Skipped, with the reason, when the model's package or `gguf`
+   is missing.
 
 Peak bandwidth: `--peak-gbps`, else by device name (H200 4800 GB/s, H100 SXM 3350, ...;
 PEAK_GBPS). Writes OUT/gpu.json and OUT/gpu.md (rewritten after every part), the parts' output
@@ -1027,10 +1029,63 @@ def _part_real(s: dict, work: Path, rec: _Recorder) -> None:
                 if spec is not None:  # where a speculating step's time goes, one request alone
                     row["profile_c1"] = _profile(llm.engine, prompts[0]["prompt_token_ids"], 12, cuda, sync, torch)
                     rec.put("real_model", key, row)
+                top = max(conc)  # and at the most in flight: the engine's phases, synchronised
+                row[f"phases_c{top}"] = _phases(llm, prompts[:top], params, sync)
+                rec.put("real_model", key, row)
                 del llm
                 _free()
             except Exception as e:
                 rec.put("real_model", key, {"error": _one_line(e), "traceback": traceback.format_exc()[-1500:]})
+
+
+def _phases(llm, prompts: list, params, sync) -> dict:
+    """Milliseconds per engine step of its phases, each call followed by a device sync (so its
+    GPU work is its own; the syncs add to the wall time): the target forward (runner.execute;
+    its decode-only steps' rows counted), drafting (propose), sampling and verification
+    (sample_and_verify), and the rest of the step (scheduling, bookkeeping, detokenizing)."""
+    engine = llm.engine
+    spent: dict[str, float] = collections.defaultdict(float)
+    counts = {"steps": 0, "decode_steps": 0, "rows": 0, "speculative_steps": 0}
+    saved = {}
+
+    def timer(owner, name, key, decode_rows=False):
+        fn = saved[(owner, name)] = getattr(owner, name)
+
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            seconds = time.perf_counter() - start
+            sched = args[0] if args else None
+            spent[key] += seconds
+            if decode_rows and getattr(sched, "decode_only", False):
+                counts["decode_steps"] += 1
+                counts["rows"] += sched.total_tokens
+                counts["speculative_steps"] += sched.total_tokens > len(sched.requests)
+            return out
+        setattr(owner, name, run)
+
+    timer(engine.runner, "execute", "forward", decode_rows=True)
+    if engine.spec is not None:
+        timer(engine.spec, "propose", "propose")
+        timer(engine.spec, "sample_and_verify", "verify")
+    steps0 = engine.stats.num_steps
+    try:
+        sync()
+        start = time.perf_counter()
+        tokens = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params))
+        sync()
+        wall = time.perf_counter() - start
+    finally:
+        for (owner, name), fn in saved.items():
+            setattr(owner, name, fn)
+    counts["steps"] = engine.stats.num_steps - steps0
+    per = max(1, counts["steps"])
+    out = {k: round(1e3 * v / per, 3) for k, v in spent.items()}
+    out["wall_ms_per_step"] = round(1e3 * wall / per, 3)
+    out["rest_ms"] = round(1e3 * (wall - sum(spent.values())) / per, 3)
+    return {**out, **counts, "rows_per_step": round(counts["rows"] / max(1, counts["decode_steps"]), 1),
+            "tokens": tokens, "tok_s": round(tokens / max(wall, 1e-9), 1)}
 
 
 # ------------------------------------------------------------------------------------------
@@ -1225,6 +1280,15 @@ def _md_real(parts: dict) -> list[str]:
             busy = prof.get("gpu_busy_ms", "-")
             out.append(f"- {k}, one request: {prof['wall_ms']} ms/step wall, GPU busy {busy} ms; "
                        f"host ops (ms/step): {ops}" + (f"; kernels: {kernels}" if kernels else ""))
+    for k, v in rows.items():
+        for name, ph in (v.items() if isinstance(v, dict) else ()):
+            if name.startswith("phases_c") and isinstance(ph, dict) and "wall_ms_per_step" in ph:
+                parts = ", ".join(f"{p} {ph[p]}" for p in ("forward", "propose", "verify", "rest_ms") if p in ph)
+                out.append(f"- {k}, {name[len('phases_c'):]} in flight, each phase synchronised: "
+                           f"{ph['wall_ms_per_step']} ms/step ({parts}); {ph['steps']} steps, "
+                           f"{ph['decode_steps']} decode-only, "
+                           f"{ph['speculative_steps']} speculative, {ph['rows_per_step']} rows/decode step, "
+                           f"{ph['tok_s']} tok/s")
     return out
 
 
