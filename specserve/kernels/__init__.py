@@ -1,9 +1,9 @@
 """Our kernels, one subpackage per path, and the dispatch of the attention, KV-cache and
-batch-invariant linear and RMSNorm ops.
+batch-invariant ops (linear, RMSNorm, rotary, SiLU x up).
 
 * ``specserve.kernels.triton``: the GPU's Triton kernels (paged and tree attention,
-  KV-cache writes, the batch-invariant linear layer and RMSNorm), each op beside a plain PyTorch
-  reference with the same signature.
+  KV-cache writes, the batch-invariant linear layer and RMSNorm, a layer's rotary embedding and
+  SiLU x up in one launch each), each op beside a plain PyTorch reference with the same signature.
 * ``specserve.kernels.cpu``: the CPU's C kernels for x86 with AVX2/FMA (linear layers,
   a layer's small ops, paged attention, greedy verification), built at first use by
   ``cbuild``; the model, sampling and the speculative methods call them directly where
@@ -29,7 +29,13 @@ from specserve.env import env_str
 from .triton.kv_write import compact_kv_ref, compact_kv_triton, write_kv_ref, write_kv_triton
 from .triton.matmul import linear_invariant_ref, linear_invariant_triton
 from .triton.paged_attention import HAS_TRITON, paged_attention_ref, paged_attention_triton
-from .triton.rms_norm import rms_norm_invariant_triton, rms_norm_ref
+from .triton.fused import rotary_ref, rotary_triton, silu_mul_ref, silu_mul_triton
+from .triton.rms_norm import (
+    add_rms_norm_invariant_triton,
+    add_rms_norm_ref,
+    rms_norm_invariant_triton,
+    rms_norm_ref,
+)
 from .triton.tree_attention import (
     causal_tree_mask,
     dense_mask_attention_ref,
@@ -49,6 +55,8 @@ __all__ = [
     "compact_kv", "compact_kv_ref", "compact_kv_triton",
     "linear_invariant", "linear_invariant_ref", "linear_invariant_triton",
     "rms_norm_invariant", "rms_norm_ref", "rms_norm_invariant_triton",
+    "add_rms_norm_invariant", "add_rms_norm_ref", "add_rms_norm_invariant_triton",
+    "rotary", "rotary_ref", "rotary_triton", "silu_mul", "silu_mul_ref", "silu_mul_triton",
 ]
 
 
@@ -96,3 +104,18 @@ def linear_invariant(x, weight, bias=None) -> torch.Tensor:
 def rms_norm_invariant(x, weight, eps: float) -> torch.Tensor:
     fn = rms_norm_invariant_triton if use_triton(x.device) else rms_norm_ref
     return fn(x, weight, eps)
+
+
+def add_rms_norm_invariant(x, residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    fn = add_rms_norm_invariant_triton if use_triton(x.device) else add_rms_norm_ref
+    return fn(x, residual, weight, eps)
+
+
+def rotary(qkv, cos, sin, heads: int, head_dim: int) -> torch.Tensor:
+    fn = rotary_triton if use_triton(qkv.device) else rotary_ref
+    return fn(qkv, cos, sin, heads, head_dim)
+
+
+def silu_mul(x) -> torch.Tensor:
+    fn = silu_mul_triton if use_triton(x.device) else silu_mul_ref
+    return fn(x)

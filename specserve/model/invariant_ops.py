@@ -1,9 +1,13 @@
-"""The batch-invariant ops as registered ops, `specserve::linear_invariant` and
-`specserve::rms_norm_invariant`: traced by `torch.compile(fullgraph=True)` as one node each (the
-fake implementations give the shapes) and replayed in CUDA graphs. They run specserve.kernels'
-dispatch: the Triton kernels (kernels/triton/matmul.py, kernels/triton/rms_norm.py) on CUDA, the
-PyTorch references elsewhere. `Linear` and `RMSNorm` (model/llama.py) call them where the model
-config asks for batch invariance on CUDA (`--batch-invariant`)."""
+"""The batch-invariant ops as registered ops: `specserve::linear_invariant`,
+`specserve::rms_norm_invariant` and `specserve::add_rms_norm_invariant` (the norms, the second
+adding the residual first), `specserve::rotary_invariant` and `specserve::silu_mul_invariant` (a
+layer's elementwise steps in one launch each). Traced by `torch.compile(fullgraph=True)` as one
+node each (the fake implementations give the shapes) and replayed in CUDA graphs. They run
+specserve.kernels' dispatch: the Triton kernels (kernels/triton/matmul.py, rms_norm.py,
+fused.py) on CUDA, the PyTorch references elsewhere. `Linear`, `RMSNorm`, `Attention` and `MLP`
+(model/llama.py) call them where the model config asks for batch invariance on CUDA
+(`--batch-invariant`), whose step runs uncompiled under its graphs: the fused launches keep its
+kernel count near the compiled step's."""
 
 from __future__ import annotations
 
@@ -36,3 +40,40 @@ def rms_norm_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 @rms_norm_invariant.register_fake
 def _(x, weight, eps):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("specserve::add_rms_norm_invariant", mutates_args=())
+def add_rms_norm_invariant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) over the last dimension, one launch."""
+    n = x.shape[-1]
+    normed, total = kernels.add_rms_norm_invariant(x.reshape(-1, n), residual.reshape(-1, n), weight, eps)
+    return normed.view(x.shape), total.view(x.shape)
+
+
+@add_rms_norm_invariant.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("specserve::rotary_invariant", mutates_args=())
+def rotary_invariant(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                     head_dim: int) -> torch.Tensor:
+    """The first `heads` heads of qkv [T, W] rotated -> [T, heads, head_dim]."""
+    return kernels.rotary(qkv, cos, sin, heads, head_dim)
+
+
+@rotary_invariant.register_fake
+def _(qkv, cos, sin, heads, head_dim):
+    return qkv.new_empty((qkv.shape[0], heads, head_dim))
+
+
+@torch.library.custom_op("specserve::silu_mul_invariant", mutates_args=())
+def silu_mul_invariant(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x [T, 2I] (gate then up) -> [T, I]."""
+    return kernels.silu_mul(x)
+
+
+@silu_mul_invariant.register_fake
+def _(x):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))

@@ -70,6 +70,8 @@ class RMSNorm(nn.Module):
         """(norm(s), s) with s = x + residual, or x itself when there is no residual yet."""
         if self.fused:
             return layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        if self.invariant and residual is not None:
+            return torch.ops.specserve.add_rms_norm_invariant(x, residual, self.weight, self.eps)
         total = x if residual is None else x + residual
         return self(total), total
 
@@ -138,15 +140,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
         self.fused_rotary = False  # see LlamaForCausalLM.use_layer_ops
+        self.invariant = False  # q and k rotated in one launch (--batch-invariant): see use_invariant_products
 
     def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata, backend):
         qkv = self.qkv_proj(x)
         if self.fused_rotary:  # q and k lead each row of qkv: rotated in place, in one call
             layer_ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.invariant and self.q_norm is None:  # q's and k's heads lead each row of qkv
+            qk = torch.ops.specserve.rotary_invariant(qkv, *rotary, self.num_heads + self.num_kv_heads, self.head_dim)
+            out = backend(qk[:, :self.num_heads], qk[:, self.num_heads:], v, kv_cache[0], kv_cache[1], meta,
+                          self.scale)
+            return self.o_proj(out.reshape(-1, self.q_size))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if not self.fused_rotary:
@@ -162,10 +170,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.fused = False  # silu(gate) * up in one layer_ops call: see LlamaForCausalLM.use_layer_ops
+        self.invariant = False  # the same in one Triton launch (--batch-invariant): see use_invariant_products
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
+        if self.invariant:
+            return self.down_proj(torch.ops.specserve.silu_mul_invariant(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -250,13 +261,15 @@ class LlamaForCausalLM(nn.Module):
 
     def use_invariant_products(self) -> None:
         """Every product, the LM head's too, and every norm through the batch-invariant kernels
-        (specserve::linear_invariant and specserve::rms_norm_invariant, model/invariant_ops.py):
-        a row's bits then never depend on the rows beside it, which cuBLAS's choice of kernel by
-        row count and PyTorch's (or the compiler's) split of a row's reduction do not give."""
+        (specserve::linear_invariant, specserve::rms_norm_invariant, model/invariant_ops.py): a
+        row's bits then never depend on the rows beside it, which cuBLAS's choice of kernel by
+        row count and PyTorch's (or the compiler's) split of a row's reduction do not give.
+        The residual adds go with the norms, and rotary and SiLU x up take one launch each
+        (elementwise: invariant either way; fewer launches for the uncompiled step)."""
         import specserve.model.invariant_ops  # noqa: F401 (registers the ops)
 
         for module in self.modules():
-            if isinstance(module, (Linear, RMSNorm)):
+            if isinstance(module, (Linear, RMSNorm, Attention, MLP)):
                 module.invariant = True
         self.lm_head_t = None  # (the LM head through its Linear)
 

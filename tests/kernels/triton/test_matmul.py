@@ -150,28 +150,28 @@ def test_the_flag_reaches_the_model_config():
 
 
 def test_speculation_over_invariant_products_is_plain_decoding(make_llm, tmp_path, default_model_dir, monkeypatch):
-    """bfloat16, every product (LM head included) and every norm through the kernels: ngram's
-    verify steps give exactly plain decoding's tokens, batch of two; every product of every step
-    went through the op (counted by the weights' shapes: the LM head's every step, and the
-    layers' products), and every norm through its op."""
+    """bfloat16, every product (LM head included), norm, rotary and SiLU x up through the
+    kernels: ngram's verify steps give exactly plain decoding's tokens, batch of two; every
+    product of every step went through the op (counted by the weights' shapes: the LM head's
+    every step, and the layers' products), and every norm and elementwise step through its op."""
     from specserve import kernels
     from tests.conftest import write_tiny_model
 
     from specserve.model.llama import Linear, RMSNorm
 
     monkeypatch.setenv("SPECSERVE_KERNELS", "triton")  # interpreted (tests/kernels/conftest.py)
-    shapes, norms = [], []
-    products, norm = kernels.linear_invariant, kernels.rms_norm_invariant
+    shapes, calls = [], []
+    products = kernels.linear_invariant
 
     def counted(x, weight, bias=None):
         shapes.append(tuple(weight.shape))
         return products(x, weight, bias)
-
-    def counted_norm(x, weight, eps):
-        norms.append(x.shape[-1])
-        return norm(x, weight, eps)
     monkeypatch.setattr(kernels, "linear_invariant", counted)
-    monkeypatch.setattr(kernels, "rms_norm_invariant", counted_norm)
+    for name in ("rms_norm_invariant", "add_rms_norm_invariant", "rotary", "silu_mul"):
+        def op(*args, _fn=getattr(kernels, name), _name=name):
+            calls.append(_name)
+            return _fn(*args)
+        monkeypatch.setattr(kernels, name, op)
     model = write_tiny_model(tmp_path / "m", default_model_dir, vocab_size=256, hidden=64)
     outs = []
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}):
@@ -186,7 +186,12 @@ def test_speculation_over_invariant_products_is_plain_decoding(make_llm, tmp_pat
         # every Linear of the model (the LM head too: vocabulary 256) ran through the op, every step;
         # every norm (the final one too) through the norm's
         assert shapes.count((256, 64)) >= steps > 0 and len(shapes) >= steps * (len(linears) - 1)
-        assert len(norms) >= steps * len(layer_norms)
+        # each step: the first norm alone, the others with their residual adds (the final one
+        # too), one rotary and one SiLU x up per layer
+        layers = len(llm.engine.runner.model.layers)
+        assert calls.count("rms_norm_invariant") == steps
+        assert calls.count("add_rms_norm_invariant") == steps * (len(layer_norms) - 1)
+        assert calls.count("rotary") == calls.count("silu_mul") == steps * layers
         shapes.clear()
-        norms.clear()
+        calls.clear()
     assert outs[0] == outs[1]

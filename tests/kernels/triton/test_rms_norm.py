@@ -70,3 +70,19 @@ def test_a_models_width_on_gpu():
         torch.testing.assert_close(full.float(), rms_norm_ref(x, w, 1e-5).float(), rtol=2 ** -6, atol=2 ** -6)
         for rows in (slice(0, 1), slice(17, 18), slice(10, 18), slice(200, 264)):
             assert torch.equal(rms_norm_invariant_triton(x[rows], w, 1e-5), full[rows]), f"{N}: rows {rows}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_residual_add_in_the_same_launch(dtype):
+    """add_rms_norm: the sum rounded as the model adds (bit for bit), its norm the norm's bits."""
+    from specserve.kernels.triton.rms_norm import add_rms_norm_invariant_triton
+
+    x, w = _inputs(7, 576, dtype)
+    r, _ = _inputs(7, 576, dtype, seed=1)
+    normed, total = add_rms_norm_invariant_triton(x, r, w, 1e-5)
+    if DEV == "cpu" and dtype == torch.bfloat16:  # the interpreter's float32 -> bfloat16 rounds its own way
+        torch.testing.assert_close(total, x + r, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(total, x + r)
+    assert torch.equal(normed, rms_norm_invariant_triton(total, w, 1e-5))
+    assert torch.equal(add_rms_norm_invariant_triton(x[3:5], r[3:5], w, 1e-5)[0], normed[3:5])
