@@ -42,13 +42,13 @@ def _rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, out_ptr, stride_x, stride_c, strid
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
-    # grid = (T, cdiv(I, BLOCK))
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    # grid = (T, cdiv(inter, BLOCK))
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < I
+    ok = offs < inter
     g = tl.load(x_ptr + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + t * stride_x + I + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * stride_x + inter + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -85,14 +85,15 @@ def rotary_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
 
 def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] % 2 == 0, "x must be [T, 2I]"
-    T, I = x.shape[0], x.shape[1] // 2
-    out = torch.empty((T, I), dtype=x.dtype, device=x.device)
-    if T == 0 or I == 0:
+    T, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
+    if T == 0 or inter == 0:
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    block = min(SILU_BLOCK, next_pow2(I))
-    _silu_mul_kernel[(T, triton.cdiv(I, block))](x, out, I, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    block = min(SILU_BLOCK, next_pow2(inter))
+    _silu_mul_kernel[(T, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
+                                                      num_warps=4)
     return out
 
 

@@ -51,7 +51,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, sum_ptr, w_ptr, out_ptr, N, stride_x, stride_
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     assert x.dim() == 2 and weight.shape == (x.shape[1],), "x must be [M, N] and weight [N]"
     assert x.dtype == weight.dtype, f"x is {x.dtype} but weight is {weight.dtype}"
-    assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), "residual: x's shape and dtype"
+    assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), \
+        "residual: x's shape and dtype"
     M, N = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     total = None if residual is None else torch.empty_like(out)
