@@ -2,8 +2,10 @@
 
 The kernel (specserve/kernels/triton/paged_attention.py) launches with constants fixed for
 every step -- the query rows a program holds (BLOCK_M), the keys per partition (PARTITION_SIZE),
-and per head size the keys per tile, warps and pipeline stages (CONFIG) -- because a row's bits
-must not depend on the batch it is in. Which values are fastest is a property of the GPU. This
+and per head size the keys per tile, warps, pipeline stages and the next tile's prefetch
+(CONFIG) -- because a row's bits must not depend on the batch it is in. Its launch mode (split
+into partials and a reduction, or fused) is a choice of speed only (choose_split); --launch
+times it forced either way beside the heuristic's pick. Which values are fastest is a property of the GPU. This
 script times combinations of the candidates below on decode cases (one query per request) and
 tree cases (a 64-node tree per request), each against PyTorch SDPA on the same data (flash for
 decode, a dense mask for trees), and prints per combination the geometric mean of "SDPA time /
@@ -42,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--block-m", type=ints, default=[16, 64], help="query rows per program")
     p.add_argument("--partition", type=ints, default=[128, 256, 512], help="keys per partition")
     p.add_argument("--prefetch", type=ints, default=[0, 1], help="1: load the next K/V tile before the math")
+    p.add_argument("--launch", default="auto,split,fused",
+                   help="launch modes: auto (choose_split's pick), split or fused forced (the same bits)")
     p.add_argument("--search", choices=["descent", "grid"], default="descent")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop trying combinations after this long")
     p.add_argument("--cases", default="decode:1:1024,decode:1:16384,decode:16:4096,decode:64:16384,"
@@ -82,13 +86,14 @@ def run(args) -> list[dict]:
         args.cases = "decode:1:300,tree:1:300"
         args.block_n, args.warps, args.stages, args.block_m = [64], [4], [2], [16, 64]
         args.partition = [pa.PARTITION_SIZE]
-        args.prefetch = [0, 1]
+        args.prefetch, args.launch = [0, 1], "auto"
     D = args.head_dim
 
     def timed(fn):
         return time_ms(fn, dev, warmup=10, rep=50, cpu_reps=2)
 
     gen = torch.Generator().manual_seed(0)
+    launch = {"split": None}  # the launch mode ours() forces (None: choose_split's pick)
     data = []  # (case, ours(fn), baseline ms)
     for kind, B, ctx in _cases(args):
         n = 1 if kind == "decode" else args.tree_size
@@ -99,7 +104,7 @@ def run(args) -> list[dict]:
                     return F.scaled_dot_product_attention(qd, k, v, scale=s, enable_gqa=True)
 
             def ours(p=paged):
-                return pa.paged_attention_triton(**p, max_query_len=1)
+                return pa.launch_paged_attn(**p, max_query_len=1, split=launch["split"])
         else:
             parents = [random_tree(n, gen) for _ in range(B)]
             tmask = torch.cat([tree_mask_from_parents(p, num_mask_words(n)) for p in parents]).to(dev)
@@ -110,13 +115,14 @@ def run(args) -> list[dict]:
                 return F.scaled_dot_product_attention(qd, k, v, attn_mask=m, scale=s, enable_gqa=True)
 
             def ours(p=paged, t=tmask, n=n):
-                return pa.launch_paged_attn(**p, max_query_len=n, tree_mask=t)
+                return pa.launch_paged_attn(**p, max_query_len=n, tree_mask=t, split=launch["split"])
         data.append(((kind, B, ctx), ours, timed(base), ours()))  # the shipped constants' output
         print(f"[tune] {kind} {B} x {ctx}: SDPA {data[-1][2] * 1e3:.1f} us", flush=True)
 
     saved = (dict(pa.CONFIG[D]), pa.BLOCK_M, pa.PARTITION_SIZE)
     knobs = {"prefetch": args.prefetch, "num_stages": args.stages, "block_n": args.block_n,
-             "num_warps": args.warps, "block_m": args.block_m, "partition": args.partition}
+             "num_warps": args.warps, "block_m": args.block_m, "partition": args.partition,
+             "launch": [m for m in args.launch.split(",") if m]}
     results, tried = [], {}
     t_end = time.monotonic() + args.budget_s
 
@@ -132,6 +138,7 @@ def run(args) -> list[dict]:
             pa.CONFIG[D] = dict(block_n=combo["block_n"], num_warps=combo["num_warps"],
                                 num_stages=combo["num_stages"], prefetch=bool(combo["prefetch"]))
             pa.BLOCK_M, pa.PARTITION_SIZE = combo["block_m"], combo["partition"]
+            launch["split"] = {"auto": None, "split": True, "fused": False}[combo["launch"]]
             try:
                 for (kind, B, ctx), ours, base_ms, want in data:
                     err = float((ours().float() - want.float()).abs().max())  # (compiled outside the timing)
@@ -165,7 +172,7 @@ def run(args) -> list[dict]:
     else:
         cur = {"prefetch": int(bool(saved[0].get("prefetch"))), "num_stages": saved[0]["num_stages"],
                "block_n": saved[0]["block_n"], "num_warps": saved[0]["num_warps"], "block_m": saved[1],
-               "partition": saved[2]}
+               "partition": saved[2], "launch": "auto"}
         best = measure(cur)
         improved = True
         while improved and time.monotonic() < t_end:
@@ -182,11 +189,11 @@ def run(args) -> list[dict]:
     ok = sorted((r for r in results if "error" not in r), key=lambda r: -r["geomean_vs_sdpa"])
     print("\nbest first (SDPA time / ours; > 1: ours faster)")
     names = list(ok[0]["cases"]) if ok else []
-    print(f"{'prefetch':>8s} {'stages':>6s} {'block_n':>7s} {'warps':>5s} {'block_m':>7s} {'part':>5s} {'geomean':>8s} "
-          + " ".join(f"{n:>16s}" for n in names))
+    print(f"{'prefetch':>8s} {'stages':>6s} {'block_n':>7s} {'warps':>5s} {'block_m':>7s} {'part':>5s} {'launch':>6s} "
+          f"{'geomean':>8s} " + " ".join(f"{n:>16s}" for n in names))
     for r in ok[:12]:
         print(f"{r['prefetch']:8d} {r['num_stages']:6d} {r['block_n']:7d} {r['num_warps']:5d} {r['block_m']:7d} "
-              f"{r['partition']:5d} {r['geomean_vs_sdpa']:8.3f} "
+              f"{r['partition']:5d} {r['launch']:>6s} {r['geomean_vs_sdpa']:8.3f} "
               + " ".join(f"{r['cases'][n]['vs_sdpa']:16.3f}" for n in names))
     print(f"(now: {saved[0]}, BLOCK_M {saved[1]}, PARTITION_SIZE {saved[2]})")
     return results
