@@ -29,9 +29,9 @@ class ModelConfig:
     quantization: str = "none"  # none | int8 (weight-only, CPU: specserve.model.quant)
     tensor_parallel_size: int = 1  # ranks the target is split across (specserve.model.parallel)
     enforce_eager: bool = False  # no compiled step, no CUDA graphs (specserve.model.compiled)
-    # CUDA: the products and norms through batch-invariant kernels (model/invariant_ops.py), the step
-    # uncompiled (model/compiled.py), so that a verify row gets the bits of the same token's decode
-    # row (exactly lossless speculation in bfloat16)
+    # CUDA: the products, norms and a layer's elementwise steps through batch-invariant kernels
+    # (model/invariant_ops.py), so that a verify row gets the bits of the same token's decode row
+    # (exactly lossless speculation in bfloat16)
     batch_invariant: bool = False
 
 

@@ -213,9 +213,9 @@ def test_step_mode():
     assert step_mode(cuda)[0] and step_mode(cuda)[1] == torch.cuda.is_available()
     assert step_mode(cuda, enforce_eager=True) == (False, False)
     assert step_mode(cuda, quantization="int8") == (False, False)
-    # batch-invariant: graphs over the uncompiled step (eager steps past the buckets round alike)
-    assert step_mode(cuda, batch_invariant=True) == (False, torch.cuda.is_available())
-    assert step_mode(cpu, batch_invariant=True) == (False, False)
+    # arithmetic that must round as eager ops do: graphs over the uncompiled step
+    assert step_mode(cuda, eager_arithmetic=True) == (False, torch.cuda.is_available())
+    assert step_mode(cpu, eager_arithmetic=True) == (False, False)
 
 
 def _sample_steps(steps):
@@ -269,6 +269,42 @@ def test_each_layer_is_one_graph_without_host_syncs(compiled_llm, monkeypatch):
             torch.compile(_layer_forward, fullgraph=True, backend="eager")(*decode_args)
     finally:
         torch._dynamo.reset()
+
+
+@torch.inference_mode()
+def test_an_invariant_layers_arithmetic_is_all_in_registered_ops(compiled_llm):
+    """With the batch-invariant ops (`--batch-invariant`), the compiled layer holds no arithmetic
+    of its own: only specserve's registered ops and views of their outputs. So the compiler has
+    nothing to fuse or round otherwise than the eager path, and a step past the buckets (run
+    eagerly) computes what a compiled one does; which is why such a step stays compiled."""
+    import operator
+
+    model = compiled_llm.engine.runner.model
+    steps = compiled_llm.engine.runner.steps
+    saved = [(m, m.invariant) for m in model.modules() if hasattr(m, "invariant")]
+    lm_head_t = model.lm_head_t
+    model.use_invariant_products()
+    try:
+        calls = [args for step in _sample_steps(steps) for args in _layer_calls(steps, step)]
+        graphs = [g for args in calls for g in _explain(args).graphs]
+    finally:
+        for m, flag in saved:
+            m.invariant = flag
+        model.lm_head_t = lm_head_t
+        torch._dynamo.reset()
+    views = {"view", "reshape", "split", "contiguous", "size", "unsqueeze", "squeeze"}
+    other = set()
+    for g in graphs:
+        for node in g.graph.nodes:
+            if node.op == "call_method" and node.target not in views:
+                other.add(node.target)
+            elif node.op == "call_function" and node.target is not operator.getitem \
+                    and not str(node.target).startswith("specserve."):
+                other.add(str(node.target))
+    assert graphs and not other, f"arithmetic outside the registered ops: {sorted(other)}"
+    ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert {"specserve.linear_invariant", "specserve.rotary_invariant", "specserve.silu_mul_invariant",
+            "specserve.add_rms_norm_invariant", "specserve.rms_norm_invariant", "specserve.write_kv"} <= ops
 
 
 @torch.inference_mode()

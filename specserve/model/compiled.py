@@ -18,11 +18,13 @@ What runs where (`step_mode`):
   on PyTorch ops only (inductor's CPU code; no graphs), which is slower than the C kernels and
   is there to test the compiled step without a GPU.
 * Never with int8 weights (their products are C kernels).
-* `batch_invariant` (`--batch-invariant`): graphs over the uncompiled forward, never compiled.
-  Steps past the buckets run the eager forward, and the compiler's fused elementwise code rounds
-  otherwise than the eager ops do (bfloat16 intermediates kept in float32, FMAs): a prompt
-  prefilled eagerly in one engine and through the compiled step in another would leave other
-  K/V bits. Uncompiled, every step of every engine runs the same ops.
+* `--batch-invariant`: compiled and graph-captured too, because a decoder layer's arithmetic is
+  then all inside registered ops (model/invariant_ops.py: products, norms with their residual
+  adds, rotary, SiLU x up; attention): the compiler only orders them, so a step past the buckets,
+  run eagerly, computes what a captured one does. Not for a model with q/k norms (its rotary
+  stays PyTorch's elementwise ops, which the compiler fuses and rounds otherwise than the eager
+  ops do: bfloat16 intermediates kept in float32, FMAs): `step_mode(eager_arithmetic=True)`,
+  graphs over the uncompiled forward.
 
 Inside the compiled region (a decoder layer) nothing reads an environment variable or a value
 from the device, and every op's metadata is a tensor: `fullgraph=True` holds
@@ -47,8 +49,9 @@ MAX_WIDTH = 64  # the longest query a bucket holds when speculating (verify rows
 
 
 def step_mode(device: torch.device, enforce_eager: bool = False, quantization: str = "none",
-              batch_invariant: bool = False) -> tuple[bool, bool]:
-    """(compile, graphs) for a target on `device`: see the module's docstring."""
+              eager_arithmetic: bool = False) -> tuple[bool, bool]:
+    """(compile, graphs) for a target on `device`: see the module's docstring. eager_arithmetic:
+    the step's elementwise arithmetic must round as PyTorch's eager ops do (never compiled)."""
     if enforce_eager or quantization != "none":
         return False, False
     choice = env_str("COMPILE", "auto").strip().lower()
@@ -56,7 +59,7 @@ def step_mode(device: torch.device, enforce_eager: bool = False, quantization: s
         raise ValueError(f"SPECSERVE_COMPILE: expected auto, 0 or 1, got {choice!r}")
     cuda = device.type == "cuda"
     graphs = cuda and torch.cuda.is_available()
-    if batch_invariant and cuda:
+    if eager_arithmetic:
         return False, graphs
     return choice == "1" or (choice == "auto" and cuda), graphs
 

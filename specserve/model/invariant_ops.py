@@ -6,8 +6,9 @@ node each (the fake implementations give the shapes) and replayed in CUDA graphs
 specserve.kernels' dispatch: the Triton kernels (kernels/triton/matmul.py, rms_norm.py,
 fused.py) on CUDA, the PyTorch references elsewhere. `Linear`, `RMSNorm`, `Attention` and `MLP`
 (model/llama.py) call them where the model config asks for batch invariance on CUDA
-(`--batch-invariant`), whose step runs uncompiled under its graphs: the fused launches keep its
-kernel count near the compiled step's."""
+(`--batch-invariant`): a decoder layer's arithmetic is then all inside these ops and the
+attention's, so the compiled step (which only orders them) and an eager step past the buckets
+compute the same bits (model/compiled.py)."""
 
 from __future__ import annotations
 

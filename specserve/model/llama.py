@@ -265,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
         row's bits then never depend on the rows beside it, which cuBLAS's choice of kernel by
         row count and PyTorch's (or the compiler's) split of a row's reduction do not give.
         The residual adds go with the norms, and rotary and SiLU x up take one launch each
-        (elementwise: invariant either way; fewer launches for the uncompiled step)."""
+        (elementwise, so invariant either way): a layer's arithmetic is then all inside
+        registered ops, which the compiled step computes exactly as the eager one does."""
         import specserve.model.invariant_ops  # noqa: F401 (registers the ops)
 
         for module in self.modules():

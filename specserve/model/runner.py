@@ -113,10 +113,11 @@ class ModelRunner:
         from specserve.model.compiled import step_mode
 
         # (compile, graphs) of the step (model/compiled.py); a compiled CPU step uses no C kernel
+        invariant = model_config.batch_invariant and self.device.type == "cuda"
         self.step_mode = step_mode(self.device, model_config.enforce_eager or tp is not None, self.quantization,
-                                   model_config.batch_invariant)
+                                   eager_arithmetic=invariant and arch.qk_norm)
         self.model.finalize_weights(c_kernels=not self.step_mode[0])
-        if model_config.batch_invariant and self.device.type == "cuda":
+        if invariant:
             self.model.use_invariant_products()
         self.steps, self.graph_capture_seconds = None, 0.0  # set by prepare_steps
         self.tp_size = 1 if tp is None else tp.size
