@@ -112,7 +112,8 @@ def test_drafting_attention_builds_no_cudnn_plans():
 
 def test_batch_invariant_bfloat16_speculation_is_lossless(make_llm, tiny_model_dir):
     """--batch-invariant in bfloat16 on CUDA: ngram's verify steps (graph-replayed, batches of
-    several requests) give plain decoding's tokens exactly."""
+    several requests) give plain decoding's tokens exactly; the plain engine prefills past its
+    buckets (eagerly), the speculating one through its compiled step."""
     args = {**ARGS, "dtype": "bfloat16", "batch_invariant": True}
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     plain = make_llm(str(tiny_model_dir), **{**args, "speculative_config": None})
@@ -120,6 +121,8 @@ def test_batch_invariant_bfloat16_speculation_is_lossless(make_llm, tiny_model_d
     spec = make_llm(str(tiny_model_dir), **args)
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
     assert spec.engine.stats.spec_num_drafts > 0
+    assert plain.engine.runner.steps.compiled and spec.engine.runner.steps.compiled
+    assert plain.engine.runner.steps.counts["eager"] > 0
 
 
 def test_an_eagle3_head_reads_the_graphs_inner_layers(make_llm, tiny_model_dir, tmp_path):
