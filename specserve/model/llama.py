@@ -150,15 +150,14 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.invariant and self.q_norm is None:  # q's and k's heads lead each row of qkv
             qk = torch.ops.specserve.rotary_invariant(qkv, *rotary, self.num_heads + self.num_kv_heads, self.head_dim)
-            out = backend(qk[:, :self.num_heads], qk[:, self.num_heads:], v, kv_cache[0], kv_cache[1], meta,
-                          self.scale)
-            return self.o_proj(out.reshape(-1, self.q_size))
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if not self.fused_rotary:
-            q, k = RotaryEmbedding.apply(q, *rotary), RotaryEmbedding.apply(k, *rotary)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if not self.fused_rotary:
+                q, k = RotaryEmbedding.apply(q, *rotary), RotaryEmbedding.apply(k, *rotary)
         out = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
