@@ -176,9 +176,10 @@ def test_tree_path_rows_equal_paged_rows(make_batch, cfg):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=_ids)
-def test_prefetch_gives_the_same_bits(make_batch, cfg, monkeypatch):
+def test_prefetch_gives_the_same_bits(make_batch, cfg, monkeypatch, launches):
     """Loading the next K/V tile before computing on the current one (CONFIG's "prefetch")
-    changes the schedule, not the arithmetic: paged and tree rows, both launch modes."""
+    changes the schedule, not the arithmetic: paged and tree rows, both launch modes (and the
+    launches with it set did compile the prefetching kernel)."""
     hq, hkv, D, bs = cfg
     trees = [_random_parents(20, 3), torch.tensor([-1]), torch.arange(-1, 4)]  # bushy, decode, chain
     b = make_batch([len(t) for t in trees], [P - 7, 2 * P + 3, 40], hq, hkv, D, bs, device=DEV, seed=8)
@@ -189,6 +190,8 @@ def test_prefetch_gives_the_same_bits(make_batch, cfg, monkeypatch):
     monkeypatch.setitem(pa.CONFIG, D, dict(pa.CONFIG[D], prefetch=True))
     after = [_both_modes(kw), _both_modes(kw, tree_mask=mask)]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
+    prefetch = [dict(kwargs)["PREFETCH"] for _, kwargs in launches]
+    assert prefetch == [False] * 4 + [True] * 4
 
 
 @pytest.mark.gpu
