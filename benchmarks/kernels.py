@@ -95,6 +95,9 @@ def time_ms(fn, dev, warmup=25, rep=100, cpu_reps=3) -> float:
     return statistics.median(times)
 
 
+_FLUSH: dict = {}  # flush_mb -> the CUDA buffer graph_time_ms writes to evict L2
+
+
 def graph_time_ms(fn, calls: int = 20, trials: int = 7, flush_mb: int = 256) -> float:
     """GPU milliseconds of one call of fn with a cold L2: fn captured `calls` times in a CUDA
     graph, each call after a write of `flush_mb` MB (which evicts the cache), replayed `trials`
@@ -102,7 +105,9 @@ def graph_time_ms(fn, calls: int = 20, trials: int = 7, flush_mb: int = 256) -> 
     host's launches cost nothing here, as in a step replayed from the engine's graphs."""
     import torch
 
-    flush = torch.empty(flush_mb << 20, dtype=torch.int8, device="cuda")
+    flush = _FLUSH.get(flush_mb)
+    if flush is None:  # one buffer per process, not one per timed call
+        flush = _FLUSH[flush_mb] = torch.empty(flush_mb << 20, dtype=torch.int8, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compiles and allocator warm-up off the capture
