@@ -4,8 +4,10 @@
    output, fused gate-up and down projections, then the 49k-row LM head), by number of rows:
    milliseconds per step's products for torch (F.linear; the LM head as the engine does it,
    through a transposed copy), for ours over float32 weights, for ours over the same
-   products as GGUF blocks (Q4_1 layers, Q8_0 head: what the default model is) and, on a CPU
-   with native bfloat16, for torch in bfloat16; side by side, best of --repeats.
+   products as GGUF blocks (Q4_1 layers, Q8_0 head: what the default model is), where AVX-512
+   takes 13-28 rows straight from the blocks the same blocks through the chunk path AVX2 takes
+   there ("blocks_chunked"), and, on a CPU with native bfloat16, for torch in bfloat16; side
+   by side, best of --repeats.
 2. Plain decoding of the default model end to end, engines side by side: float32 through
    torch's GEMM ("torch"), through our kernel over float32 weights ("ours"), through our
    kernel over the GGUF blocks ("blocks", the default), and bfloat16 where native (start-up
@@ -36,6 +38,7 @@ def products(rows_list: list[int], repeats: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
+    from specserve.kernels.cpu import cpu_linear
     from specserve.kernels.cpu.cpu_linear import PackedFloat32, pack_float32
     from specserve.model.runner import cpu_has_native_bf16
 
@@ -67,6 +70,8 @@ def products(rows_list: list[int], repeats: int) -> list[dict]:
                 F.linear(xs16[w.shape[1]], w)
 
         sides = {"torch": torch_step, "ours": kernel_step(packed), "blocks": kernel_step(blocks)}
+        if cpu_linear.direct_rows() > 12 < rows <= cpu_linear.direct_rows():
+            sides["blocks_chunked"] = chunked(kernel_step(blocks))
         if bf16:
             sides["bf16"] = bf16_step
         best = dict.fromkeys(sides, float("inf"))
@@ -82,6 +87,21 @@ def products(rows_list: list[int], repeats: int) -> list[dict]:
               + f"  ours {row['speedup']:.2f}x, blocks {row['blocks_speedup']:.2f}x torch", flush=True)
         out.append(row)
     return out
+
+
+def chunked(step):
+    """step with the block formats' chunk path from 13 rows on (as with AVX2), where AVX-512
+    takes them straight from the blocks up to cpu_linear.direct_rows() rows: the same bits."""
+    from specserve.kernels.cpu import cpu_linear
+
+    def run():
+        most = cpu_linear.direct_rows()
+        cpu_linear.direct_rows(12)
+        try:
+            step()
+        finally:
+            cpu_linear.direct_rows(0 if most > 12 else most)
+    return run
 
 
 def gguf_like(fmt: str, n: int, k: int):

@@ -175,9 +175,19 @@ def test_gguf_blocks_give_the_float32_products_bit_for_bit(fmt, blocks_isa):
     bias = torch.randn(77)
     packed, dense = cpu_linear.pack_float32(w, bias), cpu_linear.PackedFloat32(w, bias)
     assert packed.format == fmt and packed.packed.numel() < 2 * w.numel()  # bytes: under half of float32, padded
-    x = torch.randn(26, 288)
-    for m in range(1, 27):  # every tile shape: straight from the blocks up to 12 rows, then rebuilt chunks
-        assert torch.equal(packed(x[:m]).view(torch.int32), dense(x[:m]).view(torch.int32)), m
+    x = torch.randn(40, 288)
+    most = cpu_linear.direct_rows()  # straight from the blocks up to 12 rows (AVX2) or 28 (AVX-512)
+    assert most == (28 if blocks_isa == "avx512" else 12)
+    try:
+        for m in range(1, 41):  # every tile shape and grouping of rows, then the rebuilt chunks
+            want = dense(x[:m]).view(torch.int32)
+            assert torch.equal(packed(x[:m]).view(torch.int32), want), m
+            cpu_linear.direct_rows(4)  # the chunk path from 5 rows on: the same bits
+            assert torch.equal(packed(x[:m]).view(torch.int32), want), m
+            cpu_linear.direct_rows(0)
+    finally:
+        cpu_linear.direct_rows(0)
+    assert cpu_linear.direct_rows() == most
     torch.testing.assert_close(packed(x), x @ w.T + bias, atol=1e-4, rtol=1e-4)
     assert torch.equal(packed(x[5:6]).view(torch.int32), packed(x)[5:6].view(torch.int32))  # batch-invariant
     no_bias = cpu_linear.pack_float32(w[:64].contiguous(), None)  # whole blocks of columns, no bias

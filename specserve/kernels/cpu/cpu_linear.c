@@ -25,6 +25,7 @@
 #include <string.h>
 
 #define BLOCK 64 /* columns per block: 8 vectors of 8 floats */
+#define BUFFER_ROWS 13 /* the block formats' AVX2 direct tiles: 1 to 12 rows */
 
 static inline __m256 widen(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -234,7 +235,7 @@ BLOCK_ROWS(I8)
 Q_BLOCK_ROWS(Q4_1)
 Q_BLOCK_ROWS(Q8_0)
 
-/* The block formats from BUFFER_ROWS rows on: a chunk of KC values of k of one block's 8 strips is
+/* The block formats past cpu_linear_direct_rows() rows: a chunk of KC values of k of one block's 8 strips is
  * rebuilt into float32 once (BLOCK x KC floats, in the float32 strip layout), then every row
  * multiplies it with the float32 tiles; the sums carry from chunk to chunk through acc
  * (BLOCK floats a row), and the last chunk stores them with the bias. Each output is the same
@@ -269,6 +270,7 @@ static void rebuild(int Q, const uint8_t *wb, int64_t K, int64_t k0, int64_t kc,
  * FMA peak of 2 cores, docs/benchmarks.md). */
 #define AVX512 __attribute__((target("avx512f")))
 static int use_avx512 = -1; /* -1: not decided yet */
+#define WIDE_ROWS 14          /* the most rows of one of the block formats' AVX-512 tiles */
 
 /* store_tile for R x C vectors of 16 columns from column vector c0 (scale NULL: not scaled,
  * bias NULL: zero); the columns past N masked off. */
@@ -282,7 +284,7 @@ static inline AVX512 __attribute__((always_inline)) void store_tile_wide(
         __mmask16 valid = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
         __m512 bv = bias ? _mm512_maskz_loadu_ps(valid, bias + n) : _mm512_setzero_ps();
         __m512 sv = scale ? _mm512_maskz_loadu_ps(valid, scale + n) : _mm512_set1_ps(1.0f);
-#pragma GCC unroll 12
+#pragma GCC unroll 14
         for (int r = 0; r < R; r++) {
             __m512 v = scale ? _mm512_mul_ps(acc[r][c], sv) : acc[r][c];
             _mm512_mask_storeu_ps(y + r * ldy + n, valid, _mm512_add_ps(v, bv));
@@ -376,8 +378,8 @@ static inline AVX512 __m512 q8_0_weight16(const uint8_t *a, int64_t sb, __m512 d
 static inline AVX512 __attribute__((always_inline)) void tile_q_wide(
         int R, int C, int Q, const float *x, int64_t ldx, int64_t K, const void *wb, int c0,
         const float *scale, const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy) {
-    __m512 acc[12][4];
-#pragma GCC unroll 12
+    __m512 acc[WIDE_ROWS][4];
+#pragma GCC unroll 14
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
@@ -398,7 +400,7 @@ static inline AVX512 __attribute__((always_inline)) void tile_q_wide(
                 __m512 w0[4], w1[4];
 #pragma GCC unroll 4
                 for (int c = 0; c < C; c++) q4_1_pair16(blk + 2 * c * sb + 32 + 8 * kp, sb, d[c], m[c], &w0[c], &w1[c]);
-#pragma GCC unroll 12
+#pragma GCC unroll 14
                 for (int r = 0; r < R; r++) {
                     __m512 x0 = _mm512_set1_ps(xb[r * ldx + 2 * kp]), x1 = _mm512_set1_ps(xb[r * ldx + 2 * kp + 1]);
 #pragma GCC unroll 4
@@ -411,7 +413,7 @@ static inline AVX512 __attribute__((always_inline)) void tile_q_wide(
                 __m512 wv[4];
 #pragma GCC unroll 4
                 for (int c = 0; c < C; c++) wv[c] = q8_0_weight16(blk + 2 * c * sb + 16 + 8 * k, sb, d[c]);
-#pragma GCC unroll 12
+#pragma GCC unroll 14
                 for (int r = 0; r < R; r++) {
                     __m512 xv = _mm512_set1_ps(xb[r * ldx + k]);
 #pragma GCC unroll 4
@@ -429,17 +431,21 @@ static inline AVX512 __attribute__((always_inline)) void tile_q_wide(
             const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy) {                        \
         tile_q_wide(R, C, Q, x, ldx, K, wb, c0, scale, bias, n0, N, y, ldy);                          \
     }
-/* 1-4 rows x the block's 4 vectors, 5-12 rows x 2 (32 registers: measured on an AMX Xeon,
+/* 1-4 rows x the block's 4 vectors, 5-14 rows x 2 (32 registers: measured on an AMX Xeon,
  * a step's products at 2 / 4 / 8 / 12 rows 7.9 / 8.8 / 12.1 / 15.1 ms, against 8.9 / 9.8 /
- * 14.7 / 17.5 with the AVX2 shapes at twice the width, docs/benchmarks.md). */
+ * 14.7 / 17.5 with the AVX2 shapes at twice the width; 15 or 16 rows x 2 spill accumulators,
+ * and 13-24 rows x 1 vector were 1.1-1.2x slower than 13 or 14 x 2, docs/benchmarks.md). */
 #define Q_TILES_WIDE(Q) TILE_Q_WIDE(1, 4, Q) TILE_Q_WIDE(2, 4, Q) TILE_Q_WIDE(3, 4, Q) TILE_Q_WIDE(4, 4, Q)  \
     TILE_Q_WIDE(5, 2, Q) TILE_Q_WIDE(6, 2, Q) TILE_Q_WIDE(7, 2, Q) TILE_Q_WIDE(8, 2, Q) TILE_Q_WIDE(9, 2, Q) \
-    TILE_Q_WIDE(10, 2, Q) TILE_Q_WIDE(11, 2, Q) TILE_Q_WIDE(12, 2, Q)
+    TILE_Q_WIDE(10, 2, Q) TILE_Q_WIDE(11, 2, Q) TILE_Q_WIDE(12, 2, Q) TILE_Q_WIDE(13, 2, Q)              \
+    TILE_Q_WIDE(14, 2, Q)
 Q_TILES_WIDE(Q4_1)
 Q_TILES_WIDE(Q8_0)
 
-/* One block of BLOCK columns for M < BUFFER_ROWS rows in a block format: one tile shape,
- * AVX-512 where chosen (use_avx512), else AVX2. */
+/* One block of BLOCK columns for the block formats' direct path (up to cpu_linear_direct_rows()
+ * rows): AVX2 (use_avx512 off), one tile of all M rows; AVX-512, past WIDE_ROWS rows, the rows
+ * in as few groups as there must be, as even as they can be, each weight rebuilt once per group
+ * (from the cache: a block's strips are a few tens of KB). */
 #define Q_BLOCK_ROWS_ANY(Q)                                                                            \
     static void block_rows_##Q(const float *x, int64_t M, int64_t ldx, int64_t K, const void *wb,     \
                                const float *scale, const float *bias, int64_t n0, int64_t N,          \
@@ -448,14 +454,20 @@ Q_TILES_WIDE(Q8_0)
                                      const float *, int64_t, int64_t, float *, int64_t) = {            \
             tile_wide_1x4_##Q, tile_wide_2x4_##Q, tile_wide_3x4_##Q, tile_wide_4x4_##Q,                 \
             tile_wide_5x2_##Q, tile_wide_6x2_##Q, tile_wide_7x2_##Q, tile_wide_8x2_##Q,                 \
-            tile_wide_9x2_##Q, tile_wide_10x2_##Q, tile_wide_11x2_##Q, tile_wide_12x2_##Q};             \
-        static const int vectors[] = {4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2};                              \
+            tile_wide_9x2_##Q, tile_wide_10x2_##Q, tile_wide_11x2_##Q, tile_wide_12x2_##Q,              \
+            tile_wide_13x2_##Q, tile_wide_14x2_##Q};                                                    \
+        static const int vectors[] = {4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};                        \
         if (use_avx512 <= 0) {                                                                         \
             block_rows_narrow_##Q(x, M, ldx, K, wb, scale, bias, n0, N, y, ldy);                        \
             return;                                                                                    \
         }                                                                                              \
-        for (int c0 = 0; c0 < 4; c0 += vectors[M - 1])                                                 \
-            tiles[M - 1](x, ldx, K, wb, c0, scale, bias, n0, N, y, ldy);                               \
+        int64_t groups = (M + WIDE_ROWS - 1) / WIDE_ROWS;                                              \
+        for (int64_t g = 0, m = 0; g < groups; g++) {                                                  \
+            int64_t rows = (M - m) / (groups - g);                                                     \
+            for (int c0 = 0; c0 < 4; c0 += vectors[rows - 1])                                          \
+                tiles[rows - 1](x + m * ldx, ldx, K, wb, c0, scale, bias, n0, N, y + m * ldy, ldy);    \
+            m += rows;                                                                                 \
+        }                                                                                              \
     }
 Q_BLOCK_ROWS_ANY(Q4_1)
 Q_BLOCK_ROWS_ANY(Q8_0)
@@ -486,15 +498,25 @@ static void linear_buffered(int Q, const float *x, int64_t M, int64_t K, int64_t
     }
 }
 
+/* The most rows the block formats take through their direct tiles before linear_buffered:
+ * n < 0 asks; else set, up to the tiles there are (12 with AVX2, WIDE_ROWS with AVX-512),
+ * 0 meaning as many as there are (the default). Every path gives the same bits. */
+static int direct_rows = 0;
+#define DIRECT_ROWS_WIDE (2 * WIDE_ROWS) /* two groups; from 29 rows the chunk path was as fast or faster */
+int cpu_linear_direct_rows(int n) {
+    if (n >= 0) direct_rows = n;
+    int most = use_avx512 > 0 ? DIRECT_ROWS_WIDE : BUFFER_ROWS - 1;
+    return direct_rows == 0 || direct_rows > most ? most : direct_rows;
+}
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times the packed weights, scaled by
  * `scale` (NULL: none), plus `bias` (NULL: none). The entry points differ in weight format;
- * the block formats take linear_buffered from BUFFER_ROWS rows on. */
-#define BUFFER_ROWS 13
+ * the block formats take linear_buffered past cpu_linear_direct_rows() rows. */
 #define LINEAR(NAME, Q)                                                                           \
     void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *packed, int64_t N,\
               const float *scale, const float *bias, float *y, int64_t ldy, int threads) {        \
         if (use_avx512 < 0) cpu_linear_wide(-1);                                                  \
-        if ((Q == Q4_1 || Q == Q8_0) && M >= BUFFER_ROWS) {                                       \
+        if ((Q == Q4_1 || Q == Q8_0) && M > cpu_linear_direct_rows(-1)) {                         \
             linear_buffered(Q, x, M, K, ldx, packed, N, bias, y, ldy, threads);                   \
             return;                                                                               \
         }                                                                                         \

@@ -44,6 +44,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = None
     lib.cpu_linear_wide.argtypes = [ctypes.c_int]
     lib.cpu_linear_wide.restype = ctypes.c_int
+    lib.cpu_linear_direct_rows.argtypes = [ctypes.c_int]
+    lib.cpu_linear_direct_rows.restype = ctypes.c_int
     # the emulated AVX2 machine (docs/benchmarks.md) keeps our kernels to AVX2 as well
     if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
         lib.cpu_linear_wide(0)
@@ -66,6 +68,14 @@ def wide(on: bool | None = None) -> bool:
     takes where the CPU has AVX-512F), None asks. Off under ATEN_CPU_CAPABILITY=avx2 or
     default; model.quant.pick_wide_blocks sets it from a measurement at start."""
     return bool(_kernel.lib.cpu_linear_wide(-1 if on is None else int(on)))
+
+
+def direct_rows(n: int | None = None) -> int:
+    """The most rows the block formats multiply through their direct tiles (each weight
+    rebuilt once, in registers) before the chunk path (a chunk of weights rebuilt into a
+    buffer, then read by every row): 12 with AVX2, 28 with AVX-512, the same bits either way.
+    n sets a lower limit (0: the most there are), None asks; for benchmarks."""
+    return _kernel.lib.cpu_linear_direct_rows(-1 if n is None else n)
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
