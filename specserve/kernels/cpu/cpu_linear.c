@@ -431,12 +431,13 @@ static inline AVX512 __attribute__((always_inline)) void tile_q_wide(
             const float *bias, int64_t n0, int64_t N, float *y, int64_t ldy) {                        \
         tile_q_wide(R, C, Q, x, ldx, K, wb, c0, scale, bias, n0, N, y, ldy);                          \
     }
-/* 1-4 rows x the block's 4 vectors, 5-14 rows x 2 (32 registers: measured on an AMX Xeon,
+/* 1-6 rows x the block's 4 vectors, 7-14 rows x 2 (32 registers: measured on an AMX Xeon,
  * a step's products at 2 / 4 / 8 / 12 rows 7.9 / 8.8 / 12.1 / 15.1 ms, against 8.9 / 9.8 /
- * 14.7 / 17.5 with the AVX2 shapes at twice the width; 15 or 16 rows x 2 spill accumulators,
- * and 13-24 rows x 1 vector were 1.1-1.2x slower than 13 or 14 x 2, docs/benchmarks.md). */
+ * 14.7 / 17.5 with the AVX2 shapes at twice the width; 5 and 6 rows x 4 1.13x faster than x 2,
+ * 7 and 8 x 4 no faster (spilling); 15 or 16 rows x 2 spill accumulators, and 13-24 rows x 1
+ * vector were 1.1-1.2x slower than 13 or 14 x 2, docs/benchmarks.md). */
 #define Q_TILES_WIDE(Q) TILE_Q_WIDE(1, 4, Q) TILE_Q_WIDE(2, 4, Q) TILE_Q_WIDE(3, 4, Q) TILE_Q_WIDE(4, 4, Q)  \
-    TILE_Q_WIDE(5, 2, Q) TILE_Q_WIDE(6, 2, Q) TILE_Q_WIDE(7, 2, Q) TILE_Q_WIDE(8, 2, Q) TILE_Q_WIDE(9, 2, Q) \
+    TILE_Q_WIDE(5, 4, Q) TILE_Q_WIDE(6, 4, Q) TILE_Q_WIDE(7, 2, Q) TILE_Q_WIDE(8, 2, Q) TILE_Q_WIDE(9, 2, Q) \
     TILE_Q_WIDE(10, 2, Q) TILE_Q_WIDE(11, 2, Q) TILE_Q_WIDE(12, 2, Q) TILE_Q_WIDE(13, 2, Q)              \
     TILE_Q_WIDE(14, 2, Q)
 Q_TILES_WIDE(Q4_1)
@@ -453,10 +454,10 @@ Q_TILES_WIDE(Q8_0)
         static void (*const tiles[])(const float *, int64_t, int64_t, const void *, int, const float *, \
                                      const float *, int64_t, int64_t, float *, int64_t) = {            \
             tile_wide_1x4_##Q, tile_wide_2x4_##Q, tile_wide_3x4_##Q, tile_wide_4x4_##Q,                 \
-            tile_wide_5x2_##Q, tile_wide_6x2_##Q, tile_wide_7x2_##Q, tile_wide_8x2_##Q,                 \
+            tile_wide_5x4_##Q, tile_wide_6x4_##Q, tile_wide_7x2_##Q, tile_wide_8x2_##Q,                 \
             tile_wide_9x2_##Q, tile_wide_10x2_##Q, tile_wide_11x2_##Q, tile_wide_12x2_##Q,              \
             tile_wide_13x2_##Q, tile_wide_14x2_##Q};                                                    \
-        static const int vectors[] = {4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};                        \
+        static const int vectors[] = {4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2};                        \
         if (use_avx512 <= 0) {                                                                         \
             block_rows_narrow_##Q(x, M, ldx, K, wb, scale, bias, n0, N, y, ldy);                        \
             return;                                                                                    \
