@@ -13,6 +13,8 @@ def test_prompts_per_category_and_mt_bench_split():
     assert sorted(c for c, _ in split) == sorted(f"mt_bench/{c}" for c in MT_BENCH)  # one per sub-category
     assert len({t for _, t in split}) == 8
     assert load_prompts(["mt_bench"], 1)[0] == (split[0][0].split("/")[0], split[0][1])
+    later = load_prompts(CATEGORIES, 3, skip=2)  # each category's 3rd to 5th questions
+    assert later == [p for i, p in enumerate(five) if i % 5 >= 2]
 
 
 def test_eagle_variants_parse_or_fail_clearly():

@@ -36,10 +36,11 @@ AGENTIC_SPLITS = ("dev", "heldout", "all")
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
-def load_prompts(categories: list[str], limit: int | None, mt_bench_split: bool = False) -> list[tuple[str, str]]:
-    """(category, first turn) pairs, at most `limit` per category, in file order. With
-    mt_bench_split, MT-bench questions are reported (and limited) by their own sub-category,
-    as "mt_bench/writing", "mt_bench/roleplay", ..."""
+def load_prompts(categories: list[str], limit: int | None, mt_bench_split: bool = False,
+                 skip: int = 0) -> list[tuple[str, str]]:
+    """(category, first turn) pairs, at most `limit` per category after its first `skip`, in
+    file order. With mt_bench_split, MT-bench questions are reported (and limited) by their own
+    sub-category, as "mt_bench/writing", "mt_bench/roleplay", ..."""
     text = resources.files("specserve").joinpath("data/spec_bench/question.jsonl").read_text()
     out, seen = [], {}
     for line in text.splitlines():
@@ -49,8 +50,8 @@ def load_prompts(categories: list[str], limit: int | None, mt_bench_split: bool 
             continue
         if cat == "mt_bench" and mt_bench_split:
             cat = f"mt_bench/{q['category']}"
-        if limit is None or seen.get(cat, 0) < limit:
-            seen[cat] = seen.get(cat, 0) + 1
+        seen[cat] = seen.get(cat, 0) + 1
+        if skip < seen[cat] and (limit is None or seen[cat] <= skip + limit):
             out.append((cat, q["turns"][0]))
     return out
 
@@ -101,6 +102,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--mt-bench-split", action="store_true",
                         help="report MT-bench by its 8 sub-categories (--limit applies to each)")
     parser.add_argument("--limit", type=int, default=5, help="prompts per category")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="skip each category's first N questions (e.g. --skip 5: questions "
+                             "beyond those the defaults were measured on)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=5,
                         help="ngram and draft_model: draft length k")
@@ -251,7 +255,7 @@ def run(args: argparse.Namespace) -> dict:
         categories = args.category or CATEGORIES
         if args.mt_bench_split and "mt_bench" not in categories:
             raise ValueError("--mt-bench-split needs the mt_bench category")
-        prompts = load_prompts(categories, args.limit, args.mt_bench_split)
+        prompts = load_prompts(categories, args.limit, args.mt_bench_split, args.skip)
         categories = list(dict.fromkeys(c for c, _ in prompts))  # as reported (sub-categories split)
         engines = build_engines(args, variants)
         tallies = {c: {m: Tally() for m in engines} for c in categories}
