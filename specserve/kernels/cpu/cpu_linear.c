@@ -500,10 +500,10 @@ static void linear_buffered(int Q, const float *x, int64_t M, int64_t K, int64_t
 }
 
 /* The most rows the block formats take through their direct tiles before linear_buffered:
- * n < 0 asks; else set, up to the tiles there are (12 with AVX2, WIDE_ROWS with AVX-512),
+ * n < 0 asks; else set, up to the most there are (12 with AVX2, DIRECT_ROWS_WIDE with AVX-512),
  * 0 meaning as many as there are (the default). Every path gives the same bits. */
-static int direct_rows = 0;
 #define DIRECT_ROWS_WIDE (2 * WIDE_ROWS) /* two groups; from 29 rows the chunk path was as fast or faster */
+static int direct_rows = 0;
 int cpu_linear_direct_rows(int n) {
     if (n >= 0) direct_rows = n;
     int most = use_avx512 > 0 ? DIRECT_ROWS_WIDE : BUFFER_ROWS - 1;
