@@ -70,7 +70,7 @@ def products(rows_list: list[int], repeats: int) -> list[dict]:
                 F.linear(xs16[w.shape[1]], w)
 
         sides = {"torch": torch_step, "ours": kernel_step(packed), "blocks": kernel_step(blocks)}
-        if cpu_linear.direct_rows() > 12 < rows <= cpu_linear.direct_rows():
+        if 12 < rows <= cpu_linear.direct_rows():
             sides["blocks_chunked"] = chunked(kernel_step(blocks))
         if bf16:
             sides["bf16"] = bf16_step
@@ -95,12 +95,11 @@ def chunked(step):
     from specserve.kernels.cpu import cpu_linear
 
     def run():
-        most = cpu_linear.direct_rows()
         cpu_linear.direct_rows(12)
         try:
             step()
         finally:
-            cpu_linear.direct_rows(0 if most > 12 else most)
+            cpu_linear.direct_rows(0)  # the default: as many rows as the tiles take
     return run
 
 
