@@ -36,6 +36,8 @@ def test_options_no_engine_would_read_are_errors():
     for argv, message in [(["--min-draft-prob", "0.1"], "--min-draft-prob needs --eagle"),
                           (["--lookup-branch", "2"], "--lookup-branch needs --eagle or --medusa"),
                           (["--mt-bench-split", "--category", "qa"], "--mt-bench-split needs the mt_bench"),
+                          (["--skip", "-1"], "--skip: expected a count >= 0"),
+                          (["--skip", "5", "--workload", "agentic"], "--skip applies to Spec-Bench"),
                           (["--eagle-variant", 'p0={"min_draft_prob": 0}'], "--eagle-variant .* need --eagle")]:
         with pytest.raises(ValueError, match=message):  # raised before any model loads
             run(parser.parse_args(argv))

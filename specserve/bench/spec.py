@@ -236,6 +236,10 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--min-draft-prob needs --eagle")
     if args.lookup_branch is not None and not (args.eagle or args.medusa):
         raise ValueError("--lookup-branch needs --eagle or --medusa")
+    if args.skip < 0:
+        raise ValueError(f"--skip: expected a count >= 0, got {args.skip}")
+    if args.skip and args.workload == "agentic":
+        raise ValueError("--skip applies to Spec-Bench's questions (agentic conversations: --split)")
     room = args.max_model_len - args.max_tokens - 8  # a prompt's tokens kept: room to generate
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     if args.workload == "agentic":

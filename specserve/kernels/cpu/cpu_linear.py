@@ -71,8 +71,8 @@ def wide(on: bool | None = None) -> bool:
 
 
 def direct_rows(n: int | None = None) -> int:
-    """The most rows the block formats multiply through their direct tiles (each weight
-    rebuilt once, in registers) before the chunk path (a chunk of weights rebuilt into a
+    """The most rows the block formats multiply through their direct tiles (the weights
+    rebuilt in registers, once per tile of rows) before the chunk path (a chunk of weights rebuilt into a
     buffer, then read by every row): 12 with AVX2, 28 with AVX-512, the same bits either way.
     n sets a lower limit (0: the most there are), None asks; for benchmarks."""
     return _kernel.lib.cpu_linear_direct_rows(-1 if n is None else n)
