@@ -6,8 +6,8 @@ The models are tiny (6 heads of 16, 2 layers, a vocabulary of 98 that splits une
 3 ranks): 6 heads over 2 KV heads at TP=2, over 3 KV heads at TP=3 (tied embeddings), and over
 1 KV head at TP=3 (the KV head replicated on every rank). One TP engine per model serves every
 method: the speculative decoder is rebuilt on the same runner (`use`), so the workers start
-once. Every rank takes our packed float32 kernel (f32_kernel_pays patched), so the shards run
-through the same C kernels as an unsplit model.
+once. Every rank takes our packed float32 kernel (as every CPU float32 target does), so the
+shards run through the same C kernels as an unsplit model.
 """
 
 from __future__ import annotations
@@ -93,13 +93,6 @@ def use(llm, config) -> None:
     e.runner.model.aux_layers = methods.aux_layers(SpecConfig.parse(config))  # (no compiled step under TP)
     e.spec = methods.make_decoder(SpecConfig.parse(config), e.runner, e.kv, e._stats, e.config.model,
                                   e.max_model_len, e.config.scheduler)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def packed_kernel():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("specserve.model.quant.f32_kernel_pays", lambda hidden, intermediate: True)
-        yield
 
 
 @pytest.fixture(scope="module")

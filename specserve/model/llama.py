@@ -24,14 +24,15 @@ class Linear(nn.Linear):
     """nn.Linear that can route its products through our CPU kernel, or one-row inputs
     through the many-row GEMM.
 
-    `packed` (CPU float32, where `finalize_weights` measured it faster): the weights live only
-    in specserve.kernels.cpu.cpu_linear's layout and every product goes through our kernel, which
-    gives a row the same bits whatever the batch. oneDNN's bfloat16 GEMM gives a row the same
-    bits whatever the number of rows, except that a single row takes a GEMV path whose sums
-    differ in the last bit now and then (seen for reduction lengths of 1536 and more).
-    `finalize_weights` sets `pad_single_row` for the CPU bfloat16 model, so a one-token decode
-    step computes exactly what the same token gets inside a verification batch; the extra row
-    costs nothing measurable (the weights are read once either way).
+    `packed` (CPU float32 where our kernel builds, see `finalize_weights`): the weights live
+    only in specserve.kernels.cpu.cpu_linear's layout and every product goes through our
+    kernel, which gives a row the same bits whatever the batch. A single row through oneDNN's
+    bfloat16 GEMM takes a GEMV path whose sums differ in the last bit now and then from the
+    same row among others (seen for reduction lengths of 1536 and more). `finalize_weights`
+    sets `pad_single_row` for the CPU bfloat16 model, so a one-token decode step computes
+    what the same token gets inside a small verification batch; the extra row costs nothing
+    measurable (the weights are read once either way). Beyond that oneDNN's bfloat16 GEMM is
+    not batch-invariant on every CPU (docs/cpu.md).
     """
 
     pad_single_row = False
@@ -277,28 +278,29 @@ class LlamaForCausalLM(nn.Module):
         """Call once the weights are final (loaded and cast). c_kernels False: none of our C
         kernels below, PyTorch ops only (the compiled step on a CPU, model/compiled.py).
 
-        CPU float32 where our linear kernel builds, and either the weights are exactly GGUF
-        Q4_1/Q8_0 blocks (a model converted from such a file: the kernel reads the blocks and
-        rebuilds every weight bit for bit) or a measurement at start finds it faster than the
-        GEMM (specserve.model.quant.f32_kernel_pays; on an AVX2-only AMD CPU, 2x at one row,
-        ~4x at 2-16): every projection and the LM head through it (the layers' weights move
-        into its layout; the LM head's stays, draft heads read it). Else CPU
-        float32: MKL reads an [H, V] weight for a skinny product about twice as fast as the
-        [V, H] nn.Linear layout (measured on the default model's 49k x 576 head, one row), so
-        the head keeps a transposed copy. CPU bfloat16: oneDNN is faster with the nn.Linear
+        CPU float32 where our linear kernel builds: every projection and the LM head through it
+        (the layers' weights move into its layout, in GGUF's Q4_1/Q8_0 blocks where they are
+        exactly such blocks; the LM head's weight stays, draft heads read it). It gives a row the
+        same bits whatever the batch, which speculation needs to be lossless; PyTorch's float32
+        GEMM does not (MKL and oneDNN pick their blocking and their split of the sums by the
+        number of rows: on an AMX Xeon every row count from 2 to 13 gave other bits than 64 rows,
+        docs/cpu.md), so it is never the target's, even where it is faster (an AMX Xeon at 32-64
+        rows of a non-GGUF model). Else CPU float32 (no kernel on this CPU): MKL reads an [H, V]
+        weight for a skinny product about twice as fast as the [V, H] nn.Linear layout
+        (measured on the default model's 49k x 576 head, one row), so the head keeps a
+        transposed copy. CPU bfloat16: oneDNN is faster with the nn.Linear
         layout, and one-row products go through the many-row GEMM (see `Linear`) so that every
         row's result is independent of the batch. CUDA: none of these. CPU float32 where our
         kernels build: the RMS norms with their residual adds, the rotary embedding and the MLP
         activation in one C call each (specserve.kernels.cpu.layer_ops; a few rows paid ~20 dispatches per layer).
         """
         from specserve.kernels.cpu import cpu_linear
-        from specserve.model.quant import f32_kernel_pays, pick_wide_blocks
+        from specserve.model.quant import pick_wide_blocks
 
         weight = self.lm_head.weight.detach()
         cpu = weight.device.type == "cpu"
         f32 = cpu and weight.dtype == torch.float32
-        if c_kernels and f32 and self.lm_head_kernel is None and cpu_linear.available() and (
-                self._gguf_blocks() or f32_kernel_pays(self.arch.hidden_size, self.arch.intermediate_size)):
+        if c_kernels and f32 and self.lm_head_kernel is None and cpu_linear.available():
             self.lm_head_kernel = cpu_linear.pack_float32(weight, None)
             for module in self.layers.modules():
                 if isinstance(module, Linear):
@@ -311,14 +313,6 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pad_single_row = cpu and weight.dtype == torch.bfloat16
         self.use_layer_ops(c_kernels and f32 and layer_ops.available())
-
-    def _gguf_blocks(self) -> bool:
-        """Whether the first MLP's weights are exactly GGUF blocks (a model converted from a
-        Q4_1 or Q8_0 GGUF file): through our kernel they read 4-6x fewer bytes than any
-        float32 GEMM, so no measurement is needed to prefer it."""
-        from specserve.kernels.cpu.cpu_linear import pack_blocks
-
-        return pack_blocks(self.layers[0].mlp.down_proj.weight.detach()) is not None
 
     def use_layer_ops(self, enabled: bool) -> None:
         """Every norm's `add`, every rotary embedding and every MLP activation through

@@ -43,7 +43,7 @@ import torch
 from specserve.config import CacheConfig, ModelConfig
 from specserve.model.arch import ModelArch
 from specserve.model.parallel import TensorParallel, WorkerLost, check_shape
-from specserve.model.runner import ModelRunner, pick_device, pick_dtype
+from specserve.model.runner import ModelRunner, pick_device
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +60,11 @@ def start_runner(model_dir: Path, arch: ModelArch, model_config: ModelConfig, ca
         raise ValueError(f"tensor_parallel_size: {size} ranks need {size} GPUs, this machine has "
                          f"{torch.cuda.device_count()}")
     threads = torch.get_num_threads()
-    f32_pays = None
     if device.type == "cpu":  # the cores are split between the ranks
         torch.set_num_threads(max(1, threads // size))
-        if pick_dtype(model_config.dtype, device) == torch.float32 and model_config.quantization == "none":
-            from specserve.model.quant import f32_kernel_pays
-
-            # measured once, here: every rank takes the same products path, whatever its timing
-            f32_pays = f32_kernel_pays(arch.hidden_size, arch.intermediate_size)
     workers = Workers(size, threads)
     try:
-        workers.spawn(model_dir, arch, model_config, cache_config, max_model_len, str(device), f32_pays)
+        workers.spawn(model_dir, arch, model_config, cache_config, max_model_len, str(device))
         workers.wait_for("hello")
         tp = TensorParallel(0, size, workers.store_path, torch.device(device.type, 0)
                             if device.type == "cuda" else device, arch.vocab_size)
@@ -104,14 +98,14 @@ class Workers:
         self._closing = False
         self._lock = threading.Lock()  # the watchdog and the engine's thread both read the pipes
 
-    def spawn(self, model_dir, arch, model_config, cache_config, max_model_len, device: str, f32_pays) -> None:
+    def spawn(self, model_dir, arch, model_config, cache_config, max_model_len, device: str) -> None:
         ctx = mp.get_context("spawn")
         for rank in range(1, self.size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"specserve-tp-rank{rank}", daemon=True,
                                args=(rank, self.size, self.store_path, child, device, model_dir, arch,
                                      model_config, cache_config, max_model_len,
-                                     max(1, self._threads_before // self.size), f32_pays))
+                                     max(1, self._threads_before // self.size)))
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -227,8 +221,7 @@ class Workers:
 
 
 def worker_main(rank: int, size: int, store_path: str, conn, device: str, model_dir, arch: ModelArch,
-                model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int, threads: int,
-                f32_pays: bool | None) -> None:
+                model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int, threads: int) -> None:
     """Rank `rank`: build the runner's slice, then run every step rank 0 sends until it says
     stop or its pipe closes. Any error ends the process (non-zero) after sending it to rank 0."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
@@ -239,10 +232,6 @@ def worker_main(rank: int, size: int, store_path: str, conn, device: str, model_
             torch.cuda.set_device(dev)
         else:
             torch.set_num_threads(threads)
-            if f32_pays is not None:  # rank 0's measurement (see start_runner)
-                from specserve.model import quant
-
-                quant._F32_PAYS[(arch.hidden_size, arch.intermediate_size, torch.get_num_threads())] = f32_pays
         conn.send(("hello", None))
         tp = TensorParallel(rank, size, store_path, dev, arch.vocab_size)
         runner = ModelRunner(model_dir, arch, model_config, cache_config, max_model_len, tp=tp)
