@@ -116,6 +116,21 @@ def test_int8_heads_track_the_float_ones():
     assert medusa.logits(x, None).shape == (3, 2, 96)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_draft_products_through_torch_read_the_weight_transposed(bias):
+    """A float32 draft product on torch's GEMM (not int8, not our kernel) keeps a [K, N] copy
+    of its weight (MKL's faster layout for a few rows) and computes the layer's product."""
+    w = torch.randn(48, 80)
+    b = torch.randn(48) if bias else None
+    product = draft_linear(w, b, False, False)
+    weight_t = next(c.cell_contents for c in product.__closure__ if isinstance(c.cell_contents, torch.Tensor)
+                    and c.cell_contents.shape == (80, 48))
+    assert weight_t.is_contiguous()
+    for rows in (1, 3, 8, 17):
+        x = torch.randn(rows, 80)
+        torch.testing.assert_close(product(x), nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
 def test_quantization_option_is_checked():
     cpu, gpu, shape = torch.device("cpu"), torch.device("cuda"), (64, 128, torch.float32)
     # auto: measured on a CPU (whichever way it goes here), never on a GPU

@@ -114,8 +114,11 @@ def _faster(ours, theirs, hidden: int, dtype: torch.dtype, rows_list=(1, 4), mar
 
 def f32_kernel_pays(hidden: int, intermediate: int) -> bool:
     """Whether our float32 linear kernel (specserve.kernels.cpu.cpu_linear) beats torch's GEMM on
-    this CPU at 1 and 8 rows (by 10%), over 48 MB of [intermediate, hidden] matrices: more
-    than a CPU's caches hold, so that weights stream from memory as in a decode step. Cached."""
+    this CPU at 1 and 8 rows (by 10%), over 48 MB of [intermediate, hidden] matrices (read
+    transposed, as a draft's products take them: spec_decode.quant.draft_linear): more than a
+    CPU's caches hold, so that weights stream from memory as in a decode step. The choice for
+    a float32 draft head's products (a target's always take our kernel: batch invariance,
+    LlamaForCausalLM.finalize_weights). Cached."""
     key = (hidden, intermediate, torch.get_num_threads())
     if key not in _F32_PAYS:
         _F32_PAYS[key] = False
@@ -123,7 +126,8 @@ def f32_kernel_pays(hidden: int, intermediate: int) -> bool:
             count = min(256, max(2, (48 << 20) // (4 * hidden * intermediate)))
             weights = [torch.randn(intermediate, hidden) * 0.02 for _ in range(count)]
             packed = [cpu_linear.PackedFloat32(w, None) for w in weights]
-            _F32_PAYS[key] = _faster(lambda x: [p(x) for p in packed], lambda x: [F.linear(x, w) for w in weights],
+            transposed = [w.t().contiguous() for w in weights]
+            _F32_PAYS[key] = _faster(lambda x: [p(x) for p in packed], lambda x: [x @ w for w in transposed],
                                      hidden, torch.float32, (1, 8), rounds=5)
     return _F32_PAYS[key]
 
