@@ -288,9 +288,10 @@ class LlamaForCausalLM(nn.Module):
         rows of a non-GGUF model). Else CPU float32 (no kernel on this CPU): MKL reads an [H, V]
         weight for a skinny product about twice as fast as the [V, H] nn.Linear layout
         (measured on the default model's 49k x 576 head, one row), so the head keeps a
-        transposed copy. CPU bfloat16: oneDNN is faster with the nn.Linear
-        layout, and one-row products go through the many-row GEMM (see `Linear`) so that every
-        row's result is independent of the batch. CUDA: none of these. CPU float32 where our
+        transposed copy. CPU bfloat16: oneDNN is faster with the nn.Linear layout, and one-row
+        products go through the many-row GEMM (see `Linear`) so that a one-token step computes
+        what a small verification batch does (beyond that oneDNN's bfloat16 GEMM is not
+        batch-invariant on every CPU, docs/cpu.md). CUDA: none of these. CPU float32 where our
         kernels build: the RMS norms with their residual adds, the rotary embedding and the MLP
         activation in one C call each (specserve.kernels.cpu.layer_ops; a few rows paid ~20 dispatches per layer).
         """
