@@ -283,9 +283,10 @@ class LlamaForCausalLM(nn.Module):
         exactly such blocks; the LM head's weight stays, draft heads read it). It gives a row the
         same bits whatever the batch, which speculation needs to be lossless; PyTorch's float32
         GEMM does not (MKL and oneDNN pick their blocking and their split of the sums by the
-        number of rows: on an AMX Xeon every row count from 2 to 13 gave other bits than 64 rows,
-        docs/cpu.md), so it is never the target's, even where it is faster (an AMX Xeon at 32-64
-        rows of a non-GGUF model). Else CPU float32 (no kernel on this CPU): MKL reads an [H, V]
+        number of rows: on an AMX Xeon 2 and 3 rows gave other bits than 64 rows for every
+        product of the default model's shapes, up to 56 rows for some, docs/cpu.md), so it is
+        never the target's, even where it is faster (an AMX Xeon at 32-64 rows of a non-GGUF
+        model). Else CPU float32 (no kernel on this CPU): MKL reads an [H, V]
         weight for a skinny product about twice as fast as the [V, H] nn.Linear layout
         (measured on the default model's 49k x 576 head, one row), so the head keeps a
         transposed copy. CPU bfloat16: oneDNN is faster with the nn.Linear layout, and one-row
