@@ -3,9 +3,9 @@
 A head's passes are a few rows each, so on a CPU whose int8 weight-only kernel beats the
 model's dtype at a few rows (specserve.model.quant.int8_pays, measured at start) its linear
 layers and its LM head run in int8; else, on a CPU float32 model where our float32 kernel beats
-PyTorch's GEMM (specserve.model.quant.f32_kernel_pays, the target's own measurement), through
-that. Only the drafts change: verification uses the target's exact distribution, so output
-stays lossless whatever the draft proposes.
+PyTorch's GEMM (specserve.model.quant.f32_kernel_pays, measured at start), through that, and
+otherwise through PyTorch's over transposed weights. Only the drafts change: verification uses
+the target's exact distribution, so output stays lossless whatever the draft proposes.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool
 
 
 def f32_kernel_for(weight: torch.Tensor, hidden: int, intermediate: int) -> bool:
-    """Whether a draft's float32 products on this CPU go through our kernel: where the target's
-    measurement at start (cached) found it faster than PyTorch's GEMM."""
+    """Whether a draft's float32 products on this CPU go through our kernel: where a
+    measurement at start (cached) found it faster than PyTorch's GEMM (a target's go through
+    it regardless: LlamaForCausalLM.finalize_weights)."""
     from specserve.kernels.cpu import cpu_linear
 
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.available()
