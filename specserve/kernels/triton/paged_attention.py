@@ -62,14 +62,15 @@ from ._triton import next_pow2 as _next_pow2
 
 LOG2E = 1.4426950408889634
 # Keys per partition: fixes every row's reduction order, so never derived from the batch.
-PARTITION_SIZE = 512
+PARTITION_SIZE = 256
 # Query rows (tokens x heads of one GQA group) per program: a constant for the same reason.
 BLOCK_M = 64
 # Per head size: keys per tile, warps, pipeline stages, and whether each iteration loads the
 # next tile before the math (prefetch). Constants of every launch (a row's bits must not depend
 # on the step it is in); benchmarks/attention_tune.py times alternatives on a GPU (head size 128
-# and PARTITION_SIZE: its best on an H100, docs/benchmarks.md).
-CONFIG = {64: dict(block_n=64, num_warps=4, num_stages=2), 128: dict(block_n=32, num_warps=4, num_stages=2)}
+# and PARTITION_SIZE: its best on an H200 under CUDA-graph timing, docs/benchmarks.md).
+CONFIG = {64: dict(block_n=64, num_warps=4, num_stages=2),
+          128: dict(block_n=32, num_warps=4, num_stages=2, prefetch=True)}
 # Launch-mode heuristics (speed only: both modes give the same bits).
 SPLIT_MAX_QUERY = 128  # longest query of a step that may run split
 SPLIT_MAX_BYTES = 256 << 20  # largest partial buffers (float32 m, l, acc) a step may allocate

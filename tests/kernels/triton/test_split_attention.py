@@ -185,8 +185,8 @@ def test_prefetch_gives_the_same_bits(make_batch, cfg, monkeypatch, launches):
     b = make_batch([len(t) for t in trees], [P - 7, 2 * P + 3, 40], hq, hkv, D, bs, device=DEV, seed=8)
     mask = torch.cat([tree_mask_from_parents(t, 1) for t in trees]).to(DEV)
     kw = dict(b, max_query_len=20)
+    monkeypatch.setitem(pa.CONFIG, D, dict(pa.CONFIG[D], prefetch=False))
     before = [_both_modes(kw), _both_modes(kw, tree_mask=mask)]
-    assert not pa.CONFIG[D].get("prefetch")
     monkeypatch.setitem(pa.CONFIG, D, dict(pa.CONFIG[D], prefetch=True))
     after = [_both_modes(kw), _both_modes(kw, tree_mask=mask)]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
