@@ -31,8 +31,9 @@ class ModelConfig:
     enforce_eager: bool = False  # no compiled step, no CUDA graphs (specserve.model.compiled)
     # CUDA: the products, norms and a layer's elementwise steps through batch-invariant kernels
     # (model/invariant_ops.py), so that a verify row gets the bits of the same token's decode row
-    # (exactly lossless speculation in bfloat16)
-    batch_invariant: bool = False
+    # (exactly lossless speculation in bfloat16). None: on for bfloat16/float16 on CUDA
+    # (model.runner.batch_invariant_on)
+    batch_invariant: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class EngineConfig:
                max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                speculative_config: str | dict | SpecConfig | None = "auto",
                quantization: str | None = None, tensor_parallel_size: int = 1,
-               enforce_eager: bool = False, batch_invariant: bool = False) -> "EngineConfig":
+               enforce_eager: bool = False, batch_invariant: bool | None = None) -> "EngineConfig":
         if dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         if load_format not in ("auto", "dummy"):
@@ -225,7 +226,7 @@ class EngineConfig:
         return EngineConfig(
             model=ModelConfig(model or DEFAULT_MODEL, dtype, load_format, max_model_len, device, seed,
                               quantization, tensor_parallel_size, enforce_eager=bool(enforce_eager),
-                              batch_invariant=bool(batch_invariant)),
+                              batch_invariant=None if batch_invariant is None else bool(batch_invariant)),
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             spec=spec,

@@ -391,6 +391,27 @@ def test_enforce_eager_flag_and_config():
     assert EngineConfig.create(enforce_eager=True).model.enforce_eager
 
 
+def test_batch_invariant_flag_and_its_default():
+    """--batch-invariant / --no-batch-invariant, unset by default; unset means on for CUDA in
+    bfloat16/float16 and off elsewhere (a CPU's C kernels are batch-invariant without it)."""
+    import argparse
+
+    from specserve.config import EngineConfig
+    from specserve.model.runner import batch_invariant_on
+    from specserve.server.cli import add_serve_args, engine_config_from_args
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    assert [engine_config_from_args(parser.parse_args(a)).model.batch_invariant
+            for a in ([], ["--batch-invariant"], ["--no-batch-invariant"])] == [None, True, False]
+    assert EngineConfig.create().model.batch_invariant is None
+    assert EngineConfig.create(batch_invariant=False).model.batch_invariant is False
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [batch_invariant_on(None, cuda, d) for d in (torch.bfloat16, torch.float16, torch.float32)] \
+        == [True, True, False]
+    assert not batch_invariant_on(False, cuda, torch.bfloat16) and batch_invariant_on(True, cuda, torch.float32)
+    assert not any(batch_invariant_on(c, cpu, torch.bfloat16) for c in (None, True))
+
+
 def test_capture_time_is_a_gauge():
     from prometheus_client import generate_latest
 

@@ -111,10 +111,11 @@ def test_drafting_attention_builds_no_cudnn_plans():
 
 
 def test_batch_invariant_bfloat16_speculation_is_lossless(make_llm, tiny_model_dir):
-    """--batch-invariant in bfloat16 on CUDA: ngram's verify steps (graph-replayed, batches of
-    several requests) give plain decoding's tokens exactly; the plain engine prefills past its
-    buckets (eagerly), the speculating one through its compiled step."""
-    args = {**ARGS, "dtype": "bfloat16", "batch_invariant": True}
+    """bfloat16 on CUDA is batch-invariant by default (--batch-invariant): ngram's verify steps
+    (graph-replayed, batches of several requests) give plain decoding's tokens exactly; the
+    plain engine prefills past its buckets (eagerly), the speculating one through its compiled
+    step."""
+    args = {**ARGS, "dtype": "bfloat16"}
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     plain = make_llm(str(tiny_model_dir), **{**args, "speculative_config": None})
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
@@ -122,6 +123,7 @@ def test_batch_invariant_bfloat16_speculation_is_lossless(make_llm, tiny_model_d
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
     assert spec.engine.stats.spec_num_drafts > 0
     assert plain.engine.runner.steps.compiled and spec.engine.runner.steps.compiled
+    assert plain.engine.runner.batch_invariant and spec.engine.runner.batch_invariant
     assert plain.engine.runner.steps.counts["eager"] > 0
 
 

@@ -11,19 +11,19 @@ that a part which fails, hangs or poisons the CUDA context is recorded (status "
    K/V bandwidth (GB/s) and its share of the device's peak.
 3. decode: a Llama-3-8B-shaped model (hidden 4096, 32 layers, 32/8 heads, intermediate
    14336, vocab 128256), random bf16 weights drawn on the device, decoding 128 tokens after
-   128-token prompts at 1/16/64 in flight, eager (`enforce_eager=True`) against the default
-   step (compiled, CUDA graphs) and the default step with `batch_invariant` (its products
-   through our batch-invariant kernel): tok/s, ms per step, and the share of the HBM roofline
-   (all weight bytes, plus each request's K/V at its mean context, once per step, over the peak
-   bandwidth). Where the step is uncompiled-only on this build, the graphs run is retried with
-   SPECSERVE_COMPILE=0.
+   128-token prompts at 1/16/64 in flight, eager (`enforce_eager=True`) against the compiled,
+   graph-captured step with cuBLAS's products (`batch_invariant=False`) and the default one
+   (bfloat16: `batch_invariant`, its products through our batch-invariant kernel): tok/s, ms
+   per step, and the share of the HBM roofline (all weight bytes, plus each request's K/V at its
+   mean context, once per step, over the peak bandwidth). Where the step is uncompiled-only on
+   this build, the graphs run is retried with SPECSERVE_COMPILE=0.
 4. step_profile: the same model under torch.profiler for 24 decode steps of one request, each
    mode: wall time per step, GPU-busy time per step, kernel launches (and graph launches) per
    step, the host's time in graph launches, the top kernels.
 5. greedy: a SmolLM2-135M-shaped model with random weights, greedy plain vs ngram vs eagle
-   (the shipped head) at batch 1, 8 and 16, bf16, fp32 and bf16 with `batch_invariant`
-   (`--greedy-dtypes`): tokens that differ from plain decoding (speculation is lossless, so 0),
-   tok/s.
+   (the shipped head) at batch 1, 8 and 16, bf16 (batch-invariant by default), fp32 and bf16
+   with `batch_invariant=False` (`--greedy-dtypes`): tokens that differ from plain decoding
+   (speculation is lossless, so 0 where batch-invariant), tok/s.
 6. real_model: the default model (its GGUF converted), plain vs ngram vs eagle at 1/4/16/64
    in flight on Spec-Bench questions as chat, 128 tokens, greedy: tok/s, speedup over plain,
    tokens per verify step, outputs that differ from plain's, steps that ran eagerly or failed,
@@ -171,9 +171,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="real_model: requests in flight (default 1,4,16,64; --quick 1,2)")
     parser.add_argument("--real-dtypes", type=_names, default=None,
                         help="real_model: dtypes to run (default bfloat16, float32 on a CPU; "
-                             "bfloat16,float32 for both; DTYPE+invariant: with --batch-invariant)")
+                             "bfloat16,float32 for both; DTYPE+invariant / DTYPE+no-invariant: "
+                             "with --batch-invariant / --no-batch-invariant, else the default)")
     parser.add_argument("--greedy-dtypes", type=_names, default=None,
-                        help="greedy: dtypes to run (default bfloat16,float32,bfloat16+invariant; "
+                        help="greedy: dtypes to run (default bfloat16,float32,bfloat16+no-invariant; "
                              "--quick bfloat16,float32)")
     parser.add_argument("--real-model", default=None,
                         help="real_model: the model (default: the default model)")
@@ -199,8 +200,8 @@ def settings(args: argparse.Namespace, device: str) -> dict:
         "profile_steps": 6 if quick else 24,
         # greedy (SmolLM2 shape)
         "smol_shape": QUICK_SMOL if quick else SMOLLM2_135M,
-        # "+invariant": the same dtype with batch_invariant (--batch-invariant, CUDA only)
-        "greedy_dtypes": args.greedy_dtypes or (["bfloat16", "float32"] + ([] if quick else ["bfloat16+invariant"])),
+        # "+invariant" / "+no-invariant": the same dtype with --batch-invariant / --no-batch-invariant
+        "greedy_dtypes": args.greedy_dtypes or (["bfloat16", "float32"] + ([] if quick else ["bfloat16+no-invariant"])),
         "greedy_batches": [1, 4] if quick else [1, 8, 16],
         "greedy_tokens": 12 if quick else 96,
         # real model
@@ -677,8 +678,8 @@ def _part_decode(s: dict, work: Path, rec: _Recorder) -> None:
     peak = s["peak_gbps"]
     modes = [("eager", {"enforce_eager": True}, {})]
     if cuda:
-        modes.append(("graphs", {}, {}))
-        modes.append(("graphs_invariant", {"batch_invariant": True}, {}))  # --batch-invariant: its cost
+        modes.append(("graphs", {"batch_invariant": False}, {}))  # cuBLAS's products
+        modes.append(("graphs_invariant", {"batch_invariant": True}, {}))  # bfloat16's default: its cost
     else:
         for part in ("decode", "step_profile"):
             rec.skip(part, "graphs", "CUDA graphs need a CUDA device")
@@ -922,11 +923,13 @@ def _part_greedy(s: dict, work: Path, rec: _Recorder) -> None:
 
 
 def _variant(text: str) -> tuple[str, dict]:
-    """"bfloat16" or "bfloat16+invariant" -> (dtype, the engine's extra arguments)."""
+    """"bfloat16", "bfloat16+invariant" or "bfloat16+no-invariant" -> (dtype, the engine's
+    extra arguments: none for the default)."""
     dtype, _, extra = text.partition("+")
-    if extra not in ("", "invariant"):
-        raise ValueError(f"{text!r}: expected DTYPE or DTYPE+invariant")
-    return dtype, ({"batch_invariant": True} if extra else {})
+    flags = {"": {}, "invariant": {"batch_invariant": True}, "no-invariant": {"batch_invariant": False}}
+    if extra not in flags:
+        raise ValueError(f"{text!r}: expected DTYPE, DTYPE+invariant or DTYPE+no-invariant")
+    return dtype, flags[extra]
 
 
 def _generate(llm, prompts, n_tok: int, sync):

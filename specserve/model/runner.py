@@ -32,6 +32,18 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def batch_invariant_on(choice: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a target runs its products, norms and elementwise steps through the
+    batch-invariant Triton ops (model/invariant_ops.py; `--batch-invariant`): CUDA only (a CPU's
+    float32 C kernels are batch-invariant by construction); None (the default) turns them on for
+    bfloat16 and float16, where cuBLAS's products chosen by row count made greedy speculation
+    give other tokens than plain decoding (on an H200 the 8B-shaped step costs 0.91x with them at
+    one request, docs/benchmarks.md). float32 on CUDA keeps cuBLAS unless asked."""
+    if device.type != "cuda":
+        return False
+    return dtype in (torch.bfloat16, torch.float16) if choice is None else bool(choice)
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto": on CUDA bfloat16 (float16 where it is not supported). On a CPU float32 where our
     C kernels run (x86 with AVX2: products, norms, rotary and attention in C, and a GGUF
@@ -113,7 +125,7 @@ class ModelRunner:
         from specserve.model.compiled import step_mode
 
         # (compile, graphs) of the step (model/compiled.py); a compiled CPU step uses no C kernel
-        invariant = model_config.batch_invariant and self.device.type == "cuda"
+        invariant = self.batch_invariant = batch_invariant_on(model_config.batch_invariant, self.device, self.dtype)
         self.step_mode = step_mode(self.device, model_config.enforce_eager or tp is not None, self.quantization,
                                    eager_arithmetic=invariant and arch.qk_norm)
         self.model.finalize_weights(c_kernels=not self.step_mode[0])

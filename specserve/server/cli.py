@@ -40,11 +40,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no compiled step and no CUDA graphs (on CUDA "
                         "both are on by default; a CPU runs eagerly anyway)")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="CUDA: every product through our batch-invariant Triton kernel, so that "
-                        "bfloat16/float16 speculation is exactly lossless (cuBLAS picks its kernels "
-                        "by row count); off by default (its cost: docs/benchmarks.md). A CPU's "
-                        "kernels are batch-invariant already")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: every product, norm and elementwise step through our batch-invariant "
+                        "Triton kernels, so that speculation is exactly lossless (cuBLAS picks its "
+                        "kernels by row count); on by default in bfloat16/float16, off in float32 "
+                        "(its cost: docs/benchmarks.md). A CPU's kernels are batch-invariant already")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--seed", type=int, default=0)
@@ -118,7 +118,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         speculative_config=args.speculative_config, quantization=args.quantization,
         enforce_eager=getattr(args, "enforce_eager", False),
-        batch_invariant=getattr(args, "batch_invariant", False),
+        batch_invariant=getattr(args, "batch_invariant", None),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 

@@ -49,7 +49,8 @@ class DraftModelProposer:
     def __init__(self, model: str, target: ModelRunner, model_config: ModelConfig, max_model_len: int,
                  chunk_size: int) -> None:
         model_dir, arch = draft_arch(model, target.arch)
-        self.runner = ModelRunner(model_dir, arch, replace(model_config, model=model),
+        # a draft's bits never decide the output: its products keep the fastest kernels
+        self.runner = ModelRunner(model_dir, arch, replace(model_config, model=model, batch_invariant=False),
                                   CacheConfig(target.block_size, target.num_blocks), max_model_len)
         self.chunk_size = chunk_size
         self.vocab_size = arch.vocab_size
