@@ -42,10 +42,14 @@ def test_graphs_give_the_eager_tokens(make_llm, tiny_model_dir, graph_llm):
 
 @torch.inference_mode()
 def test_a_replay_does_not_sync(graph_llm):
+    # two requests in blocks of their own (free after the other tests): the null block holds the
+    # padding rows' K/V, which a request never reads. Only the 6 rows the requests own are
+    # compared: a padding row belongs to no request, its attention output is never written and
+    # its hidden state is whatever that memory held
     steps = graph_llm.engine.runner.steps
-    null = steps.buffers.null_block
-    bucket = steps.bucket([5, 1], [[null], [null]])
-    steps.buffers.fill(bucket, [5, 6, 7, 8, 9, 4], [3, 4, 4, 5, 6, 9], [8, 10], [5, 1], [[null], [null]],
+    tables = [[0], [1]]
+    bucket = steps.bucket([5, 1], tables)
+    steps.buffers.fill(bucket, [5, 6, 7, 8, 9, 4], [3, 4, 4, 5, 6, 9], [8, 10], [5, 1], tables,
                        [[-1, 0, 0, 1, 2], None])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -54,7 +58,7 @@ def test_a_replay_does_not_sync(graph_llm):
         eager = steps.run(*steps.buffers._views(bucket))  # the compiled forward itself
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert hidden is not None and torch.allclose(hidden, eager, atol=1e-4)
+    assert hidden is not None and torch.allclose(hidden[:6], eager[:6], atol=1e-4)
 
 
 def test_triton_ops_match_the_dense_op():
