@@ -26,8 +26,10 @@ that a part which fails, hangs or poisons the CUDA context is recorded (status "
    (speculation is lossless, so 0 where batch-invariant), tok/s.
 6. real_model: the default model (its GGUF converted), plain vs ngram vs eagle at 1/4/16/64
    in flight on Spec-Bench questions as chat, 128 tokens, greedy: tok/s, speedup over plain,
-   tokens per verify step, outputs that differ from plain's, steps that ran eagerly or failed,
-   and each speculative method's steps profiled at one request; then, at the most in flight,
+   tokens per verify step, outputs that differ from plain's, steps that ran eagerly or failed
+   (each load timed after 16 tokens of the same requests, untimed: a run of a second must not
+   carry a kernel's first compile), and each speculative method's steps profiled at one
+   request; then, at the most in flight,
    each method's decode steps cut into the engine's phases (forward, drafting, verification,
    the rest), each synchronised. Skipped, with the reason, when the model's package or `gguf`
    is missing.
@@ -1003,11 +1005,13 @@ def _part_real(s: dict, work: Path, rec: _Recorder) -> None:
                 llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
                 row = {"setup_s": round(time.time() - t, 1)}
                 for c in conc:
+                    # one request alone: two prompts one after the other; else c at once
+                    batches = [prompts[:1], prompts[1:2]] if c == 1 else [prompts[:c]]
+                    for batch in batches:  # untimed: this load's shapes compiled, its prompts cached
+                        llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=16))
                     st = llm.engine.stats
                     d0, a0 = st.spec_num_drafts, st.spec_num_accepted_tokens
                     steps0 = _step_counts(llm.engine)
-                    # one request alone: two prompts one after the other; else c at once
-                    batches = [prompts[:1], prompts[1:2]] if c == 1 else [prompts[:c]]
                     sync()
                     t = time.perf_counter()
                     outs = []
