@@ -71,6 +71,8 @@ BLOCK_M = 64
 # and PARTITION_SIZE: its best on an H200 under CUDA-graph timing, docs/benchmarks.md).
 CONFIG = {64: dict(block_n=64, num_warps=4, num_stages=2),
           128: dict(block_n=32, num_warps=4, num_stages=2, prefetch=True)}
+# Partitions whose partials the reduction loads together (speed only: the merges stay in order).
+REDUCE_LOAD_AHEAD = 8
 # Launch-mode heuristics (speed only: both modes give the same bits).
 SPLIT_MAX_QUERY = 128  # longest query of a step that may run split
 SPLIT_MAX_BYTES = 256 << 20  # largest partial buffers (float32 m, l, acc) a step may allocate
@@ -304,9 +306,13 @@ def _attn_reduce_kernel(
     stride_ot, stride_oh, stride_od,
     stride_pt, stride_ph, stride_at, stride_ah, stride_ap,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr,
+    LOAD_AHEAD: tl.constexpr,
 ):
     # grid = (max_query_len, Hkv, B): one query token x the GQA group's heads; merges the row's
-    # partitions 0 .. last in order (reads (last + 1) * GROUP * (HEAD_DIM + 2) float32).
+    # partitions 0 .. last in order (reads (last + 1) * GROUP * (HEAD_DIM + 2) float32). The
+    # loop is unrolled LOAD_AHEAD partitions at a time, so that their loads are issued together
+    # rather than one round trip per partition; a partition past `last` loads as the empty
+    # state (-inf, 0, 0), whose merge leaves the running state exactly as it was.
     tok = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -326,13 +332,16 @@ def _attn_reduce_kernel(
     M = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
     L = tl.zeros([GROUP_P2], dtype=tl.float32)
     ACC = tl.zeros([GROUP_P2, HEAD_DIM], dtype=tl.float32)
-    for part in range(0, last + 1):
-        p_off = t * stride_pt + q_head * stride_ph + part
-        m_p = tl.load(part_m_ptr + p_off, mask=h_ok, other=float("-inf"))
-        l_p = tl.load(part_l_ptr + p_off, mask=h_ok, other=0.0)
-        a_off = t * stride_at + q_head[:, None] * stride_ah + part * stride_ap + offs_d[None, :]
-        acc_p = tl.load(part_acc_ptr + a_off, mask=h_ok[:, None], other=0.0)
-        M, L, ACC = _merge(M, L, ACC, m_p, l_p, acc_p)
+    for first in range(0, last + 1, LOAD_AHEAD):
+        for j in tl.static_range(LOAD_AHEAD):
+            part = first + j
+            ok = h_ok & (g * 0 + part <= last)  # (a vector: the interpreter's masks are no scalars)
+            p_off = t * stride_pt + q_head * stride_ph + part
+            m_p = tl.load(part_m_ptr + p_off, mask=ok, other=float("-inf"))
+            l_p = tl.load(part_l_ptr + p_off, mask=ok, other=0.0)
+            a_off = t * stride_at + q_head[:, None] * stride_ah + part * stride_ap + offs_d[None, :]
+            acc_p = tl.load(part_acc_ptr + a_off, mask=ok[:, None], other=0.0)
+            M, L, ACC = _merge(M, L, ACC, m_p, l_p, acc_p)
     o_off = t * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + o_off, _normalise(L, ACC).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
@@ -419,7 +428,8 @@ def launch_paged_attn(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     _attn_reduce_kernel[(max_query_len, Hkv, B)](
         out, seq_lens, query_start_loc, part_ml[0], part_ml[1], part_acc,
         out.stride(0), out.stride(1), out.stride(2), *pstr,
-        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=D, PARTITION=PARTITION_SIZE, num_warps=1)
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=D, PARTITION=PARTITION_SIZE, LOAD_AHEAD=REDUCE_LOAD_AHEAD,
+        num_warps=1)
     return out
 
 

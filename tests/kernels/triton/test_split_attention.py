@@ -38,6 +38,8 @@ CASES = {
     "boundary": ([5, 1, 1], [P - 3, P - 1, P]),
     # one partition, two full ones, two and a partial one
     "several": ([1, 3, 2, 1], [40, 2 * P - 3, P + 88, 2 * P + 90]),
+    # more partitions than the reduction loads at once (REDUCE_LOAD_AHEAD), in no multiple of it
+    "long": ([1, 2], [(pa.REDUCE_LOAD_AHEAD + 1) * P + 5, (2 * pa.REDUCE_LOAD_AHEAD + 1) * P - 1]),
 }
 
 
