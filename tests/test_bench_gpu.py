@@ -138,3 +138,21 @@ def test_failing_and_hanging_parts_are_recorded(tmp_path):
               "parts": {"kernel_tests": rec, "greedy": records["greedy"]}}
     md = gpu.markdown(report)
     assert "| kernel_tests | failed |" in md and "| greedy | timeout |" in md and "| decode | not run |" in md
+
+
+def test_phases_time_the_proposers_own_calls(make_llm, tiny_model_dir):
+    """At the most in flight the real-model part cuts the steps into phases, and, for a method
+    with a per-request proposer (suffix decoding here), counts and times the proposer's calls;
+    the proposer is left as it was."""
+    from specserve import SamplingParams
+
+    llm = make_llm(str(tiny_model_dir), speculative_config={"method": "suffix", "adaptive": False})
+    proposer = llm.engine.spec.proposer
+    prompts = ["one two three one two three one two three", "a b c a b c a b c a b"]
+    ph = gpu._phases(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), lambda: None)
+    assert ph["draft_calls"] > 0 and ph["draft_ms_per_call"] > 0 and 1 <= ph["draft_requests_per_call"] <= 2
+    assert ph["draft_calls"] <= ph["steps"] and ph["tokens"] == 48
+    assert getattr(proposer.propose, "__func__", None) is type(proposer).propose  # unwrapped
+    md = "\n".join(gpu._md_real({"real_model": {"settings": {"concurrency": [2]},
+                                                 "float32.suffix": {"phases_c2": ph}}}))
+    assert f"the proposer drafted in {ph['draft_calls']} steps" in md

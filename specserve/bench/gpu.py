@@ -1049,10 +1049,13 @@ def _phases(llm, prompts: list, params, sync) -> dict:
     """Milliseconds per engine step of its phases, each call followed by a device sync (so its
     GPU work is its own; the syncs add to the wall time): the target forward (runner.execute;
     its decode-only steps' rows counted), drafting (propose), sampling and verification
-    (sample_and_verify), and the rest of the step (scheduling, bookkeeping, detokenizing)."""
+    (sample_and_verify), and the rest of the step (scheduling, bookkeeping, detokenizing); and,
+    inside drafting, the proposer's own calls (a draft model's or head's passes: the steps it
+    drafted in, milliseconds and requests per call)."""
     engine = llm.engine
     spent: dict[str, float] = collections.defaultdict(float)
     counts = {"steps": 0, "decode_steps": 0, "rows": 0, "speculative_steps": 0}
+    drafts = {"calls": 0, "requests": 0, "seconds": 0.0}
     saved = {}
 
     def timer(owner, name, key, decode_rows=False):
@@ -1076,6 +1079,20 @@ def _phases(llm, prompts: list, params, sync) -> dict:
     if engine.spec is not None:
         timer(engine.spec, "propose", "propose")
         timer(engine.spec, "sample_and_verify", "verify")
+        proposer = getattr(engine.spec, "proposer", None)
+        if proposer is not None:  # (timed within propose: kept out of the phases' sum)
+            fn = saved[(proposer, "propose")] = proposer.propose
+
+            def draft(batch):
+                sync()
+                start = time.perf_counter()
+                out = fn(batch)
+                sync()
+                drafts["seconds"] += time.perf_counter() - start
+                drafts["calls"] += 1
+                drafts["requests"] += len(batch.request_ids)
+                return out
+            proposer.propose = draft
     steps0 = engine.stats.num_steps
     try:
         sync()
@@ -1091,6 +1108,10 @@ def _phases(llm, prompts: list, params, sync) -> dict:
     out = {k: round(1e3 * v / per, 3) for k, v in spent.items()}
     out["wall_ms_per_step"] = round(1e3 * wall / per, 3)
     out["rest_ms"] = round(1e3 * (wall - sum(spent.values())) / per, 3)
+    if drafts["calls"]:
+        calls = drafts["calls"]
+        out.update(draft_calls=calls, draft_ms_per_call=round(1e3 * drafts["seconds"] / calls, 3),
+                   draft_requests_per_call=round(drafts["requests"] / calls, 1))
     return {**out, **counts, "rows_per_step": round(counts["rows"] / max(1, counts["decode_steps"]), 1),
             "tokens": tokens, "tok_s": round(tokens / max(wall, 1e-9), 1)}
 
@@ -1295,7 +1316,9 @@ def _md_real(parts: dict) -> list[str]:
                            f"{ph['wall_ms_per_step']} ms/step ({parts}); {ph['steps']} steps, "
                            f"{ph['decode_steps']} decode-only, "
                            f"{ph['speculative_steps']} speculative, {ph['rows_per_step']} rows/decode step, "
-                           f"{ph['tok_s']} tok/s")
+                           f"{ph['tok_s']} tok/s"
+                           + (f"; the proposer drafted in {ph['draft_calls']} steps, {ph['draft_ms_per_call']} ms "
+                              f"each for {ph['draft_requests_per_call']} requests" if "draft_calls" in ph else ""))
     return out
 
 
