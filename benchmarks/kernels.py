@@ -5,6 +5,10 @@
 * tree:    tree_attention (n draft nodes per request, packed bitmask) vs
            flex_attention (compiled, block mask built once per case) and vs SDPA with a
            dense bool mask, at the same masks.
+* prefill: paged_attention with a chunk of queries per request (causal, the chunk last in its
+           context, as a prefill chunk after a cached prefix) vs SDPA (flash / efficient) with
+           the lower-right causal bias on the gathered cache (`--prefill-chunks`,
+           `--prefill-batches`).
 
 Reported bandwidth = bytes of K/V read (B * context * Hkv * D * 2 * elem) / time, and its share
 of the device's peak memory bandwidth: --peak-gbps, else looked up by device name (H100 SXM
@@ -41,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=ints, default=[1, 16, 64])
     p.add_argument("--tree-sizes", type=ints, default=[8, 32, 64])
     p.add_argument("--tree-batch", type=int, default=None, help="batch for tree runs (default: each --batches)")
+    p.add_argument("--prefill-chunks", type=ints, default=[512],
+                   help="queries per request of the prefill cases (none: no prefill cases)")
+    p.add_argument("--prefill-batches", type=ints, default=[1, 16], help="requests of the prefill cases")
     p.add_argument("--num-q-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -267,8 +274,40 @@ def run(args):
                 paged = qd = k = v = tri = ref = anc = None  # free before the next case
                 if dev == "cuda":
                     torch.cuda.empty_cache()
+        for B in args.prefill_batches:
+            for n in (c for c in args.prefill_chunks if c <= ctx):
+                bench_prefill(bench, skip, B, ctx, n, args, dtype, dev)
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
     summary = summarise(rows, notes, args, flex_reason)
     return rows, summary
+
+
+def bench_prefill(bench, skip, B, ctx, n, args, dtype, dev):
+    """A prefill chunk of n queries per request, the last n of its context: ours (the paged
+    kernel, causal) against SDPA with the lower-right causal bias (flash or efficient), else a
+    dense bool mask."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from specserve.kernels import paged_attention_triton
+
+    paged, (qd, k, v) = make_case(B, ctx, n, args, dtype, dev)
+    tri = bench("prefill", "triton", B, ctx, n, lambda: paged_attention_triton(**paged, max_query_len=n))
+    ref = tri.view(B, n, -1, args.head_dim).transpose(1, 2) if tri is not None else None
+    if "sdpa" in skip:
+        return
+    bias = causal_lower_right(n, ctx)
+
+    def sdpa_flash():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(qd, k, v, attn_mask=bias, scale=paged["scale"], enable_gqa=True)
+    if bench("prefill", "sdpa_flash", B, ctx, n, sdpa_flash, ref) is None:
+        dense = torch.ones(n, ctx, dtype=torch.bool, device=dev).tril(ctx - n)
+        bench("prefill", "sdpa_mask", B, ctx, n,
+              lambda: F.scaled_dot_product_attention(qd, k, v, attn_mask=dense, scale=paged["scale"],
+                                                     enable_gqa=True), ref)
 
 
 FLEX_FAILED: dict[str, str] = {}  # flex variants that failed to compile, with why
@@ -334,10 +373,11 @@ def summarise(rows, notes, args, flex_reason):
     print(f"\n{'kind':7s} {'batch':>5s} {'context':>7s} {'nq':>4s} {'ours us':>9s} {'vs sdpa':>8s} {'vs flex':>8s}")
     for kind, B, ctx, n in cases:
         ours = ms[(kind, "triton", B, ctx, n)]
-        sdpa_impls = ("sdpa_flash", "sdpa_flash_x") if kind == "decode" else ("sdpa_mask",)
+        sdpa_impls = {"decode": ("sdpa_flash", "sdpa_flash_x"), "prefill": ("sdpa_flash", "sdpa_mask")}.get(
+            kind, ("sdpa_mask",))
         sdpa = next((ms[(kind, i, B, ctx, n)] for i in sdpa_impls if (kind, i, B, ctx, n) in ms), None)
         flex = ms.get((kind, "flex", B, ctx, n))
-        if kind == "decode":
+        if kind != "tree":
             flex_why = "not measured"
         else:
             flex_why = notes.get((kind, "flex", B, ctx, n)) or flex_reason or "not measured"
@@ -369,7 +409,7 @@ def plot(rows, path, peak):
             pts = sorted((r["context"], r["peak_frac"] if peak else r["gbps"]) for r in sel
                          if (r["impl"], r["batch"], r["q_per_seq"]) == (impl, B, nq))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    label=f"{impl} B={B}" + (f" n={nq}" if kind == "tree" else ""))
+                    label=f"{impl} B={B}" + (f" n={nq}" if kind != "decode" else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length")
         ax.set_ylabel(f"K/V bandwidth / peak ({peak:.0f} GB/s)" if peak else "K/V bandwidth (GB/s)")

@@ -42,9 +42,10 @@ def test_dry_run_records_every_part(dry_run):
     ks = parts["kernel_sweep"]
     assert ks["status"] == "ok", ks
     assert {(r["kind"], r["impl"]) for r in ks["rows"]} >= {("decode", "triton"), ("tree", "triton"),
-                                                             ("decode", "sdpa_flash"), ("tree", "sdpa_mask")}
+                                                             ("decode", "sdpa_flash"), ("tree", "sdpa_mask"),
+                                                             ("prefill", "triton"), ("prefill", "sdpa_flash")}
     assert all(r["ms"] > 0 for r in ks["rows"])
-    assert {c["kind"] for c in ks["summary"]} == {"decode", "tree"}
+    assert {c["kind"] for c in ks["summary"]} == {"decode", "tree", "prefill"}
     printed = [m.groups() for ln in (out / "kernel_sweep.log").read_text().splitlines()
                if (m := gpu._ROW.match(ln.strip()))]
     assert len(printed) == len(ks["rows"])

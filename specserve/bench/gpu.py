@@ -7,8 +7,9 @@ that a part which fails, hangs or poisons the CUDA context is recorded (status "
 1. kernel_tests: `pytest tests/kernels` (the Triton kernels compiled on a GPU): its summary
    line, counts and the failing tests' ids.
 2. kernel_sweep: benchmarks/kernels.py, our paged decode and tree attention against PyTorch
-   SDPA and flex_attention at 1/16/64 requests x 1k/4k/16k context (trees of 64 nodes): time,
-   K/V bandwidth (GB/s) and its share of the device's peak.
+   SDPA and flex_attention at 1/16/64 requests x 1k/4k/16k context (trees of 64 nodes), and a
+   prefill chunk of 512 queries at 1/16 requests against SDPA: time, K/V bandwidth (GB/s) and
+   its share of the device's peak.
 3. decode: a Llama-3-8B-shaped model (hidden 4096, 32 layers, 32/8 heads, intermediate
    14336, vocab 128256), random bf16 weights drawn on the device, decoding 128 tokens after
    128-token prompts at 1/16/64 in flight, eager (`enforce_eager=True`) against the compiled,
@@ -445,7 +446,7 @@ def _kernel_tests(s: dict, out: Path, timeout: float) -> dict:
 
 
 # ---- part 2: kernel sweep ------------------------------------------------------------------
-_ROW = re.compile(r"^(decode|tree)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(\S+%|n/a)\s+(\S+)$")
+_ROW = re.compile(r"^(decode|tree|prefill)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(\S+%|n/a)\s+(\S+)$")
 
 
 def _kernel_sweep(s: dict, out: Path, timeout: float) -> dict:
@@ -455,11 +456,14 @@ def _kernel_sweep(s: dict, out: Path, timeout: float) -> dict:
     sweep_out = out / "kernels"
     if s["device"] == "cpu":
         case = ["--device", "cpu", "--contexts", "300", "--batches", "1", "--tree-sizes", "8",
+                "--prefill-chunks", "32", "--prefill-batches", "1",
                 "--num-q-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--skip", "flex"]
     elif s["quick"]:
-        case = ["--contexts", "1024", "--batches", "1", "--tree-sizes", "64"]
+        case = ["--contexts", "1024", "--batches", "1", "--tree-sizes", "64", "--prefill-chunks", "512",
+                "--prefill-batches", "1"]
     else:
-        case = ["--contexts", "1024,4096,16384", "--batches", "1,16,64", "--tree-sizes", "64"]
+        case = ["--contexts", "1024,4096,16384", "--batches", "1,16,64", "--tree-sizes", "64",
+                "--prefill-chunks", "512", "--prefill-batches", "1,16"]
     cmd = [sys.executable, str(script), *case, "--out", str(sweep_out)]
     if s["peak_gbps"]:
         cmd += ["--peak-gbps", str(s["peak_gbps"])]
@@ -1174,7 +1178,7 @@ def _md_sweep(parts: dict) -> list[str]:
         return []
     rows = {(x["kind"], x["impl"], x["batch"], x["context"], x["q_per_seq"]): x for x in r["rows"]}
     out = ["", "## Attention kernels (K/V bandwidth, share of peak; vs = baseline time / ours)", "",
-           "| kind | requests | context | nodes | ours us | ours GB/s | ours % peak | SDPA GB/s | vs SDPA |"
+           "| kind | requests | context | queries | ours us | ours GB/s | ours % peak | SDPA GB/s | vs SDPA |"
            " flex GB/s | vs flex |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(r.get("summary") or [], key=lambda c: (c["kind"], c["context"], c["batch"])):
         k = (c["kind"], c["batch"], c["context"], c["q_per_seq"])

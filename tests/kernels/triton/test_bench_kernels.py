@@ -18,16 +18,18 @@ def test_kernel_benchmark_smoke_run(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rc = bench.main(["--device", "cpu", "--contexts", "40", "--batches", "2", "--tree-sizes", "5",
+                     "--prefill-chunks", "8,64", "--prefill-batches", "2",
                      "--num-q-heads", "4", "--num-kv-heads", "2", "--head-dim", "16", "--skip", "flex",
                      "--peak-gbps", "100", "--out", str(tmp_path)])
     assert rc == 0
     report = json.loads((tmp_path / "kernels.json").read_text())
     summary = {(r["kind"], r["batch"], r["context"], r["q_per_seq"]): r for r in report["summary"]}
-    assert set(summary) == {("decode", 2, 40, 1), ("tree", 2, 40, 5)}
+    # (a chunk longer than the context is no case)
+    assert set(summary) == {("decode", 2, 40, 1), ("tree", 2, 40, 5), ("prefill", 2, 40, 8)}
     assert all(r["vs_sdpa"] > 0 for r in summary.values())
     assert summary[("tree", 2, 40, 5)]["flex_note"] == "skipped (--skip flex)"
     ours = [r for r in report["results"] if r["impl"] == "triton"]
-    assert len(ours) == 2 and all(0 < r["peak_frac"] == r["gbps"] / 100 for r in ours)
+    assert len(ours) == 3 and all(0 < r["peak_frac"] == r["gbps"] / 100 for r in ours)
     others = [r for r in report["results"] if r["impl"] != "triton"]
     assert others and max(r["max_abs_err"] for r in others) < 1e-4  # baselines agree with ours
     assert bench.device_peak_gbps("NVIDIA H200") == 4800 and bench.device_peak_gbps("NVIDIA H100 80GB HBM3") == 3350
