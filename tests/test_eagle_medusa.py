@@ -21,7 +21,8 @@ from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.eagle import DEFAULT_EAGLE_DIR, EagleProposer
 from specserve.kernels.cpu import cpu_linear, layer_ops
 from specserve.spec_decode import tree_ops
-from specserve.spec_decode.eagle_head import DraftPass, EagleHead, HeadKV, Segment
+from specserve.spec_decode import eagle_head
+from specserve.spec_decode.eagle_head import DraftPass, EagleHead, HeadKV, HeadKVPool, Segment
 from specserve.spec_decode.heads_io import load_eagle
 from specserve.spec_decode.training.checkpoints import save_eagle
 from specserve.spec_decode.policy import PROBE_FIRST
@@ -505,11 +506,13 @@ def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
         check_tree(DraftTree([5, 5], [-1, -1]))
 
 
-@pytest.mark.parametrize("f32_kernel,fused", [(False, False), (False, True), (True, True)])
-def test_draft_pass_over_head_kv_matches_the_head_over_the_whole_sequence(f32_kernel, fused):
+@pytest.mark.parametrize("f32_kernel,fused,pooled", [(False, False, False), (False, True, False),
+                                                     (True, True, False), (False, False, True)])
+def test_draft_pass_over_head_kv_matches_the_head_over_the_whole_sequence(f32_kernel, fused, pooled):
     """Drafting (DraftPass: fused products, our float32 kernel or PyTorch's, layer_ops or not)
-    feeds the head a few pairs at a time through HeadKV (grown as it fills, read in place); the
-    outputs equal the training network's one causal pass over the whole sequence."""
+    feeds the head a few pairs at a time through HeadKV (grown as it fills, read in place) or a
+    HeadKVPool's blocks (gathered, padded); the outputs equal the training network's one causal
+    pass over the whole sequence."""
     if (f32_kernel and not cpu_linear.available()) or (fused and not layer_ops.available()):
         pytest.skip("CPU kernels unavailable")
     torch.manual_seed(0)
@@ -520,7 +523,9 @@ def test_draft_pass_over_head_kv_matches_the_head_over_the_whole_sequence(f32_ke
     feats, embeds, pos = torch.randn(1, t, hidden), torch.randn(1, t, hidden), torch.arange(t)
     with torch.no_grad():
         whole = head(feats, embeds, pos)[0][0]
-    buffers, outs, start = HeadKV(), [], 0
+    arch = head.arch
+    pool = HeadKVPool(arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu"))
+    buffers, outs, start = pool.new() if pooled else HeadKV(), [], 0
     for size in (5, 1, 60, 2, 82):  # grows past 64 and 128 entries
         end = start + size
         outs.append(draft(feats[0, start:end], embeds[0, start:end], pos[start:end],
@@ -658,6 +663,29 @@ def test_trees_of_ten_requests_at_once_equal_plain_greedy(tmp_path, monkeypatch,
     llm = tiny_llm(tmp_path, config)
     assert greedy_ids(llm, prompts, params) == ref
     assert llm.engine.stats.spec_num_drafts >= 10
+
+
+def test_pooled_head_kv_keeps_greedy_and_gives_every_block_back(tmp_path, monkeypatch):
+    """SPECSERVE_DRAFT_KV=pooled (a GPU's default): ten requests' head K/V in one pool, each
+    drafting pass's attention one padded call for all of them; plain greedy is kept and every
+    block is back in the pool once the requests are done."""
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 90 + 3 for j in range(5)]} for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = greedy_ids(tiny_llm(tmp_path), prompts, params)
+    monkeypatch.setenv("SPECSERVE_DRAFT_KV", "pooled")
+    calls = []
+    real = eagle_head._attend_pooled
+    monkeypatch.setattr(eagle_head, "_attend_pooled", lambda segs, *a: calls.append(len(segs)) or real(segs, *a))
+    config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "num_speculative_tokens": 10,
+              "adaptive": False, "depth": 4, "topk": 3}
+    llm = tiny_llm(tmp_path, config)
+    assert greedy_ids(llm, prompts, params) == ref
+    pool = llm.engine.spec.proposer.pool
+    assert pool is not None and max(calls) == 10 and llm.engine.stats.spec_num_drafts >= 10
+    assert not llm.engine.spec.proposer.cache and len(pool.free) == pool.num_blocks
+    monkeypatch.setenv("SPECSERVE_DRAFT_KV", "paged")
+    with pytest.raises(ValueError, match="SPECSERVE_DRAFT_KV"):
+        tiny_llm(tmp_path, config)
 
 
 def test_an_eagle3_head_grown_from_an_eagle2_one_drafts_the_same(tmp_path):

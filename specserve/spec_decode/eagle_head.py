@@ -17,6 +17,7 @@ from __future__ import annotations
 from functools import partial
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,11 +59,62 @@ class HeadKV:
         return self.k[:, :end], self.v[:, :end]
 
 
+class HeadKVPool:
+    """Every request's head K/V in one pair of tensors, token-major ([slots, Hkv, D], grown by
+    doubling), handed out in blocks of BLOCK entries (`PooledKV`), so that a drafting pass writes
+    the new entries of all its requests in one call and reads their contexts in one gather
+    (`_attend_pooled`): a pass costs a fixed number of launches, not a few per request, which
+    is what a GPU's drafting time is made of at several requests."""
+
+    BLOCK = 16
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.k = torch.zeros(64 * self.BLOCK, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.free = list(range(63, -1, -1))  # block ids, the next one handed out last
+
+    def new(self) -> "PooledKV":
+        return PooledKV(self)
+
+    def take(self) -> int:
+        if not self.free:  # double: the old entries keep their slots
+            n = self.k.shape[0] // self.BLOCK
+            self.k = torch.cat([self.k, torch.zeros_like(self.k)])
+            self.v = torch.cat([self.v, torch.zeros_like(self.v)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        return self.free.pop()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[0] // self.BLOCK
+
+
+class PooledKV:
+    """One request's head K/V in a HeadKVPool: entry i lives in slot blocks[i // BLOCK] * BLOCK +
+    i % BLOCK. Its blocks go back to the pool when it is dropped (a request's cache let go,
+    restarted or freed)."""
+
+    def __init__(self, pool: HeadKVPool) -> None:
+        self.pool, self.blocks = pool, []
+
+    def slots(self, start: int, end: int) -> np.ndarray:
+        """Slots of entries start .. end - 1 (blocks taken as needed)."""
+        bs = self.pool.BLOCK
+        while len(self.blocks) * bs < end:
+            self.blocks.append(self.pool.take())
+        i = np.arange(start, end)
+        return np.asarray(self.blocks, dtype=np.int64)[i // bs] * bs + i % bs
+
+    def __del__(self) -> None:
+        self.pool.free.extend(reversed(self.blocks))
+        self.blocks = []
+
+
 class Segment(NamedTuple):
     """The rows of one request in a drafting pass: written into `kv` from entry `past` on; each
     row sees the entries `mask` allows ([T, past + T] bool; None: all past entries and the
-    new rows causally)."""
-    kv: HeadKV
+    new rows causally; with a PooledKV, on the CPU)."""
+    kv: HeadKV | PooledKV
     past: int
     rows: int
     mask: torch.Tensor | None
@@ -170,8 +222,10 @@ class DraftPass:
     @torch.inference_mode()
     def __call__(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:
-        """features, embeds [N, hidden]; positions [N] -> predicted next features [N, hidden]."""
-        attend = partial(_attend_in_place, segments)
+        """features, embeds [N, hidden]; positions [N] -> predicted next features [N, hidden].
+        Segments of PooledKV attend through their pool in one call, of HeadKV each in place."""
+        pooled = isinstance(segments[0].kv, PooledKV)
+        attend = partial(_attend_pooled if pooled else _attend_in_place, segments)
         if features.device.type != "cuda":
             return self.run(features, embeds, positions, attend)
         with sdpa_kernel(DRAFT_SDPA_BACKENDS):
@@ -197,6 +251,46 @@ class DraftPass:
         x = x + a
         gate, up = self.gate_up(self.post_norm(x)).split(self.intermediate, -1)
         return x + self.down(F.silu(gate) * up)
+
+
+def _attend_pooled(segments: list[Segment], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [N, H, D], k/v [N, Hkv, D]: every segment's new entries written to the pool in one call
+    each, every segment's rows attending to its entries as one padded batch ([S, H, T, D]
+    queries over [S, Hkv, L, D] keys gathered from the pool, padding masked) -> [N, H*D]. The
+    indices and the mask are built on the host and cross in one copy."""
+    pool = segments[0].kv.pool
+    n, heads, dim = q.shape
+    num, rows = len(segments), max(seg.rows for seg in segments)
+    width = -(-max(seg.past + seg.rows for seg in segments) // 8) * 8  # (the mask's rows aligned)
+    new_slots, ctx = np.empty(n, np.int64), np.zeros((num, width), np.int64)
+    q_rows, out_rows = np.full((num, rows), n, np.int64), np.empty(n, np.int64)
+    mask = np.zeros((num, rows, width), np.bool_)
+    mask[:, :, 0] = True  # a padding row sees one entry (no row of -inf), its output unread
+    at = 0
+    for b, seg in enumerate(segments):
+        t, past = seg.rows, seg.past
+        slots = seg.kv.slots(0, past + t)
+        new_slots[at:at + t], ctx[b, :past + t] = slots[past:], slots
+        q_rows[b, :t] = np.arange(at, at + t)
+        out_rows[at:at + t] = b * rows + np.arange(t)
+        if seg.mask is None:  # the past, then the new rows causally
+            mask[b, :t, :past + t] = np.arange(past + t)[None, :] <= past + np.arange(t)[:, None]
+        else:
+            mask[b, :t, :past + t] = seg.mask.numpy()
+        at += t
+    index = torch.from_numpy(np.concatenate([new_slots, ctx.ravel(), q_rows.ravel(), out_rows]))
+    if q.device.type != "cpu":
+        index, mask_t = index.to(q.device, non_blocking=True), torch.from_numpy(mask).to(q.device, non_blocking=True)
+    else:
+        mask_t = torch.from_numpy(mask)
+    new_slots, ctx, q_rows, out_rows = index.split([n, num * width, num * rows, n])
+    pool.k.index_copy_(0, new_slots, k)
+    pool.v.index_copy_(0, new_slots, v)
+    keys = pool.k[ctx].view(num, width, *k.shape[1:]).transpose(1, 2)  # [S, Hkv, L, D]
+    values = pool.v[ctx].view(num, width, *v.shape[1:]).transpose(1, 2)
+    queries = torch.cat([q, q.new_zeros(1, heads, dim)])[q_rows].view(num, rows, heads, dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask_t[:, None], enable_gqa=True)
+    return out.transpose(1, 2).reshape(num * rows, heads * dim)[out_rows]
 
 
 def _attend_in_place(segments: list[Segment], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

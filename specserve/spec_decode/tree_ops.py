@@ -80,18 +80,20 @@ def eagle_children(x: tuple[int, int, int, int], k: int, d2t: int, min_score: fl
     _ext.module.eagle_children(*x, k, d2t, ids, torch.get_num_threads(), float(min_score), grow, parents)
 
 
-def eagle_next_pass(grow: list, depth: int, device: torch.device | None = None):
+def eagle_next_pass(grow: list, depth: int, device: torch.device | None = None, host_masks: bool = False):
     """The inputs of EAGLE's next head pass in one call (tree_ops.c; needs available()),
     with the growing trees' bookkeeping updated. -> (the index in grow of each tree in the pass,
     token ids [N], positions [N], each row's parent's row in the last pass's output [N], per
-    tree (mask [f, past + f] bool, past, f)), the tensors on `device` (None: the CPU), or None
-    when no tree has a frontier; off the CPU all of it goes over in one copy."""
+    tree (mask [f, past + f] bool, past, f)), the tensors on `device` (None: the CPU; the masks
+    stay on the CPU with host_masks), or None when no tree has a frontier; off the CPU all of it
+    goes over in one copy."""
     got = _ext.module.eagle_next_pass(grow, depth)
     if got is None:
         return None
     active, index, segments = got
-    if device is None:
+    if device is None or host_masks:
         index = torch.frombuffer(index, dtype=torch.int64)
+        index = index if device is None else index.to(device, non_blocking=True)
         masks = [torch.frombuffer(m, dtype=torch.bool) for m, _, _ in segments]
     else:  # index first (8-byte aligned), then every mask
         flat = torch.frombuffer(bytearray().join([index, *(m for m, _, _ in segments)]), dtype=torch.uint8)
