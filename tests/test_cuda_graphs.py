@@ -133,7 +133,8 @@ def test_batch_invariant_bfloat16_speculation_is_lossless(make_llm, tiny_model_d
 
 def test_an_eagle3_head_reads_the_graphs_inner_layers(make_llm, tiny_model_dir, tmp_path):
     """An EAGLE-3 head's step returns inner layers' outputs from the captured graphs (their
-    static output buffer is as wide): greedy output equals the eager plain engine's."""
+    static output buffer is as wide): greedy output equals the eager plain engine's, its
+    drafting passes attending through the head's K/V pool (a GPU's form)."""
     from tests.test_eagle_medusa import write_eagle3
 
     head = write_eagle3(tmp_path / "eagle3", (0, 1))
@@ -149,3 +150,4 @@ def test_an_eagle3_head_reads_the_graphs_inner_layers(make_llm, tiny_model_dir, 
     assert steps.graphs is not None and steps.graphs.out.shape[1] == 3 * 64
     assert got == want and llm.engine.stats.spec_num_drafts > 0
     assert steps.counts["verify"] > 0
+    assert llm.engine.spec.proposer.pool is not None  # the head's K/V pooled on CUDA
