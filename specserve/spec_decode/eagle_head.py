@@ -254,10 +254,10 @@ class DraftPass:
 
 
 def _attend_pooled(segments: list[Segment], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [N, H, D], k/v [N, Hkv, D]: every segment's new entries written to the pool in one call
-    each, every segment's rows attending to its entries as one padded batch ([S, H, T, D]
-    queries over [S, Hkv, L, D] keys gathered from the pool, padding masked) -> [N, H*D]. The
-    indices and the mask are built on the host and cross in one copy."""
+    """q [N, H, D], k/v [N, Hkv, D]: every segment's new entries written to the pool at once (one
+    call for K, one for V), every segment's rows attending to its entries as one padded batch
+    ([S, H, T, D] queries over [S, Hkv, L, D] keys gathered from the pool, padding masked) ->
+    [N, H*D]. The indices and the mask are built on the host and cross in one copy."""
     pool = segments[0].kv.pool
     n, heads, dim = q.shape
     num, rows = len(segments), max(seg.rows for seg in segments)
@@ -278,12 +278,13 @@ def _attend_pooled(segments: list[Segment], q: torch.Tensor, k: torch.Tensor, v:
         else:
             mask[b, :t, :past + t] = seg.mask.numpy()
         at += t
-    index = torch.from_numpy(np.concatenate([new_slots, ctx.ravel(), q_rows.ravel(), out_rows]))
+    index = np.concatenate([new_slots, ctx.ravel(), q_rows.ravel(), out_rows])
+    raw = torch.from_numpy(np.concatenate([index.view(np.uint8), mask.view(np.uint8).ravel()]))
     if q.device.type != "cpu":
-        index, mask_t = index.to(q.device, non_blocking=True), torch.from_numpy(mask).to(q.device, non_blocking=True)
-    else:
-        mask_t = torch.from_numpy(mask)
-    new_slots, ctx, q_rows, out_rows = index.split([n, num * width, num * rows, n])
+        raw = raw.to(q.device, non_blocking=True)
+    cut = index.nbytes  # (the int64 indices first: 8-byte aligned)
+    mask_t = raw[cut:].view(torch.bool).view(num, rows, width)
+    new_slots, ctx, q_rows, out_rows = raw[:cut].view(torch.int64).split([n, num * width, num * rows, n])
     pool.k.index_copy_(0, new_slots, k)
     pool.v.index_copy_(0, new_slots, v)
     keys = pool.k[ctx].view(num, width, *k.shape[1:]).transpose(1, 2)  # [S, Hkv, L, D]
