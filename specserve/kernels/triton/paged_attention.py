@@ -151,14 +151,18 @@ def _partition_state(q, tok, row_ok, q_start, prefix_len, kv_lo, kv_hi, seq, kv_
         s = tl.dot(q, k) * sm_scale_log2  # [BLOCK_M, BLOCK_N], log2 domain
         if TREE_MASK:
             # Prefix always visible; node j visible iff bit j of the row's mask is set
-            # (BLOCK_M x BLOCK_N int32 gathers, L1-resident; none for prefix tiles).
-            node = k_pos - prefix_len
-            is_node = (node >= 0) & k_ok
-            node_c = tl.where(is_node, node, 0)
-            w_off = (q_start + tok)[:, None] * stride_mt + (node_c // 32)[None, :]
-            words = tl.load(tree_mask_ptr + w_off, mask=row_ok[:, None] & is_node[None, :], other=0)
-            bit = (words >> (node_c % 32)[None, :]) & 1
-            visible = ((k_pos < prefix_len)[None, :] | (bit != 0)) & k_ok[None, :]
+            # (BLOCK_M x BLOCK_N int32 gathers, L1-resident). A tile of the prefix alone skips
+            # the mask's arithmetic (the same visibility: every key of it, for every row).
+            if start + BLOCK_N <= prefix_len:
+                visible = tl.broadcast_to(k_ok[None, :], (BLOCK_M, BLOCK_N))
+            else:
+                node = k_pos - prefix_len
+                is_node = (node >= 0) & k_ok
+                node_c = tl.where(is_node, node, 0)
+                w_off = (q_start + tok)[:, None] * stride_mt + (node_c // 32)[None, :]
+                words = tl.load(tree_mask_ptr + w_off, mask=row_ok[:, None] & is_node[None, :], other=0)
+                bit = (words >> (node_c % 32)[None, :]) & 1
+                visible = ((k_pos < prefix_len)[None, :] | (bit != 0)) & k_ok[None, :]
         else:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
