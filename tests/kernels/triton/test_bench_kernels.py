@@ -53,3 +53,30 @@ def test_attention_tuning_smoke_run(tmp_path):
     assert 3 <= len(results) <= 4
     assert all("error" not in r and r["geomean_vs_sdpa"] > 0 and len(r["cases"]) == 2 for r in results)
     assert (pa.CONFIG[64], pa.BLOCK_M, pa.PARTITION_SIZE) == shipped  # put back after the run
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on CUDA run the script itself")
+def test_matmul_tuning_smoke_run_and_its_invariance_check(tmp_path, monkeypatch):
+    """benchmarks/matmul_tune.py under the interpreter: the descent from the shipped constants
+    times each combination against F.linear and puts the constants back; a kernel whose rows
+    depend on the call's row count is reported as not batch-invariant, never ranked."""
+    from specserve.kernels.triton import matmul as mm
+
+    spec = importlib.util.spec_from_file_location("matmul_tune", BENCH.parent / "matmul_tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    shipped = (mm.BLOCK_M, mm.BLOCK_N, mm.BLOCK_K, mm.NUM_WARPS, mm.NUM_STAGES, mm.SPLIT_K)
+    assert tune.main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "matmul_tune.json").read_text())["results"]
+    assert (results[0]["block_n"], results[0]["num_stages"]) == (mm.BLOCK_N, mm.NUM_STAGES)
+    assert len(results) >= 2 and all("error" not in r and r["geomean_vs_cublas"] > 0 for r in results)
+    assert all(set(r["vs_cublas_by_rows"]) == {"1", "3"} and len(r["cases"]) == 4 for r in results)
+    assert (mm.BLOCK_M, mm.BLOCK_N, mm.BLOCK_K, mm.NUM_WARPS, mm.NUM_STAGES, mm.SPLIT_K) == shipped
+
+    real = mm.linear_invariant_triton
+    monkeypatch.setattr(mm, "linear_invariant_triton",  # a last-bit change that depends on the rows
+                        lambda x, w, b=None, split_k=mm.SPLIT_K: real(x, w, b, split_k) * (1 + 1e-6 * (x.shape[0] > 1)))
+    assert tune.main(["--device", "cpu", "--quick", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "matmul_tune.json").read_text())["results"]
+    assert results and all("not batch-invariant" in r["error"] for r in results)
