@@ -25,14 +25,14 @@ tests/kernels/triton (the invariance tests hold for any constants).
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks._tune import main as tune_main  # noqa: E402
+from benchmarks._tune import search  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -124,7 +124,6 @@ def run(args) -> list[dict]:
              "num_warps": args.warps, "block_m": args.block_m, "partition": args.partition,
              "launch": [m for m in args.launch.split(",") if m]}
     results, tried = [], {}
-    t_end = time.monotonic() + args.budget_s
 
     def measure(combo):
         """Time one combination (a dict of the knobs) over every case; memoised."""
@@ -163,29 +162,10 @@ def run(args) -> list[dict]:
     def score(row):
         return row.get("geomean_vs_sdpa", 0.0)
 
-    if args.search == "grid":
-        for values in itertools.product(*knobs.values()):
-            if time.monotonic() > t_end:
-                print("[tune] time budget spent", flush=True)
-                break
-            measure(dict(zip(knobs, values)))
-    else:
-        cur = {"prefetch": int(bool(saved[0].get("prefetch"))), "num_stages": saved[0]["num_stages"],
-               "block_n": saved[0]["block_n"], "num_warps": saved[0]["num_warps"], "block_m": saved[1],
-               "partition": saved[2], "launch": "auto"}
-        best = measure(cur)
-        improved = True
-        while improved and time.monotonic() < t_end:
-            improved = False
-            for name, values in knobs.items():
-                for v in values:
-                    if v == cur[name] or time.monotonic() > t_end:
-                        continue
-                    row = measure(dict(cur, **{name: v}))
-                    if score(row) > score(best):
-                        best, cur, improved = row, dict(cur, **{name: v}), True
-        if time.monotonic() >= t_end:
-            print("[tune] time budget spent", flush=True)
+    start = {"prefetch": int(bool(saved[0].get("prefetch"))), "num_stages": saved[0]["num_stages"],
+             "block_n": saved[0]["block_n"], "num_warps": saved[0]["num_warps"], "block_m": saved[1],
+             "partition": saved[2], "launch": "auto"}
+    search(knobs, start, measure, score, args.search, args.budget_s)
     ok = sorted((r for r in results if "error" not in r), key=lambda r: -r["geomean_vs_sdpa"])
     print("\nbest first (SDPA time / ours; > 1: ours faster)")
     names = list(ok[0]["cases"]) if ok else []
@@ -200,23 +180,7 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    else:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("attention_tune.py: no CUDA device (use --device cpu --quick for a smoke run)", file=sys.stderr)
-            return 2
-    results = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "attention_tune.json")
-    with open(path, "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=1)
-    print(f"wrote {path}")
-    return 0
-
+    return tune_main(parse_args(argv), run, "attention_tune")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,14 +26,14 @@ tests/kernels/triton.
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks._tune import main as tune_main  # noqa: E402
+from benchmarks._tune import search  # noqa: E402
 
 KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k")
 # (name, N, K) of a Llama-3-8B layer's products (hidden 4096, 32 / 8 heads of 128, intermediate 14336)
@@ -98,7 +98,6 @@ def run(args) -> list[dict]:
     saved = {k: getattr(mm, k.upper()) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k")}
     knobs = dict(zip(KNOBS, (args.block_m, args.block_n, args.block_k, args.warps, args.stages, args.split_k)))
     results, tried = [], {}
-    t_end = time.monotonic() + args.budget_s
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
 
     def ours(x, w, split_k):
@@ -148,27 +147,7 @@ def run(args) -> list[dict]:
     def score(row):
         return row.get("geomean_vs_cublas", 0.0)
 
-    if args.search == "grid":
-        for values in itertools.product(*knobs.values()):
-            if time.monotonic() > t_end:
-                print("[tune] time budget spent", flush=True)
-                break
-            measure(dict(zip(KNOBS, values)))
-    else:
-        cur = dict(saved)
-        best = measure(cur)
-        improved = True
-        while improved and time.monotonic() < t_end:
-            improved = False
-            for name, values in knobs.items():
-                for v in values:
-                    if v == cur[name] or time.monotonic() > t_end:
-                        continue
-                    row = measure(dict(cur, **{name: v}))
-                    if score(row) > score(best):
-                        best, cur, improved = row, dict(cur, **{name: v}), True
-        if time.monotonic() >= t_end:
-            print("[tune] time budget spent", flush=True)
+    search(knobs, saved, measure, score, args.search, args.budget_s)
     ok = sorted((r for r in results if "error" not in r), key=lambda r: -r["geomean_vs_cublas"])
     print("\nbest first (cuBLAS time / ours over the products; > 1: ours faster)")
     print(" ".join(f"{k:>10s}" for k in KNOBS) + f" {'geomean':>8s} " + " ".join(f"{m:>8d}" for m in args.rows))
@@ -180,23 +159,7 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    else:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("matmul_tune.py: no CUDA device (use --device cpu --quick for a smoke run)", file=sys.stderr)
-            return 2
-    results = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "matmul_tune.json")
-    with open(path, "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=1)
-    print(f"wrote {path}")
-    return 0
-
+    return tune_main(parse_args(argv), run, "matmul_tune")
 
 if __name__ == "__main__":
     sys.exit(main())
