@@ -36,6 +36,7 @@ from benchmarks._tune import main as tune_main  # noqa: E402
 from benchmarks._tune import search  # noqa: E402
 
 KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k")
+SET = KNOBS[:-1]  # the ones set on the module (split_k goes with each call)
 # (name, N, K) of a Llama-3-8B layer's products (hidden 4096, 32 / 8 heads of 128, intermediate 14336)
 SHAPES_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 
@@ -95,7 +96,7 @@ def run(args) -> list[dict]:
         data[name] = (x, w, base)
         print(f"[tune] {name} {n} x {k}: cuBLAS " + ", ".join(f"{m} rows {1e3 * t:.1f} us" for m, t in base.items()),
               flush=True)
-    saved = {k: getattr(mm, k.upper()) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k")}
+    saved = {k: getattr(mm, k.upper()) for k in KNOBS}
     knobs = dict(zip(KNOBS, (args.block_m, args.block_n, args.block_k, args.warps, args.stages, args.split_k)))
     results, tried = [], {}
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
@@ -111,7 +112,7 @@ def run(args) -> list[dict]:
         if combo["split_k"] % combo["block_k"]:
             row["error"] = "skipped: block_k must divide split_k"
         else:
-            for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
+            for k in SET:
                 setattr(mm, k.upper(), combo[k])
             try:
                 per_rows = {m: [0.0, 0.0] for m in args.rows}  # rows -> [cuBLAS ms, ours ms] over the shapes
@@ -135,7 +136,7 @@ def run(args) -> list[dict]:
             except Exception as e:  # a combination that does not compile (shared memory, ...) or fails a check
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             finally:
-                for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages"):
+                for k in SET:
                     setattr(mm, k.upper(), saved[k])
         tried[key] = row
         results.append(row)

@@ -130,7 +130,7 @@ class Engine:
               f"{self.runner.num_blocks} KV blocks, {self.runner.device} "
               f"{str(self.runner.dtype).removeprefix('torch.')}"
               f"{' with int8 weights' if mc.quantization == 'int8' else ''}"
-              f"{', batch-invariant' if getattr(self.runner, 'batch_invariant', False) else ''}"
+              f"{', batch-invariant' if self.runner.batch_invariant else ''}"
               f"{f', tensor parallel {mc.tensor_parallel_size}' if mc.tensor_parallel_size > 1 else ''}, speculation: "
               f"{spec_config.method or 'off'})", flush=True)
 
