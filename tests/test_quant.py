@@ -13,8 +13,9 @@ from specserve.model.arch import ModelArch
 from specserve.spec_decode.eagle_head import DraftPass, EagleHead, HeadKV, Segment
 from specserve.spec_decode.medusa_heads import MedusaHeads
 from specserve.kernels.cpu import cpu_linear
-from specserve.model.quant import Int8Linear, check_target_quantization, int8_pays, quantize_linears, quantize_rows
-from specserve.spec_decode.quant import check_quantization, draft_linear
+from specserve.model import quant
+from specserve.model.quant import Int8Linear, check_target_quantization, int8_rows, quantize_linears, quantize_rows
+from specserve.spec_decode.quant import INT8_ALWAYS, check_quantization, draft_linear
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -131,12 +132,47 @@ def test_float32_draft_products_through_torch_read_the_weight_transposed(bias):
         torch.testing.assert_close(product(x), nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_draft_product_runs_int8_up_to_its_row_limit(bias):
+    """draft_linear with a row limit: int8 (Int8Linear's exact result) up to it, the model's
+    dtype (the float product's exact result) past it; 0 never int8, INT8_ALWAYS always."""
+    w = torch.randn(48, 80)
+    b = torch.randn(48) if bias else None
+    int8, dense = Int8Linear(w, b), draft_linear(w, b, 0, False)
+    product = draft_linear(w, b, 4, False)
+    for rows in (1, 4, 5, 17):
+        x = torch.randn(rows, 80)
+        assert torch.equal(product(x), (int8 if rows <= 4 else dense)(x))
+        assert not torch.equal(int8(x), dense(x))  # (the two differ: the test can tell them apart)
+    assert isinstance(draft_linear(w, b, INT8_ALWAYS, False), Int8Linear)
+    assert isinstance(draft_linear(w, b, True, False), Int8Linear)
+
+
+def test_int8_rows_reads_the_measurement(monkeypatch):
+    """int8_rows: none unless int8 wins at 1 and 4 rows; then as far as it keeps winning."""
+    times = {}  # rows -> (int8, float) seconds a call, as a fake timing
+
+    def faster(ours, theirs, hidden, dtype, rows_list=(1, 4), margin=0.9, rounds=20):
+        return all(times[r][0] <= margin * times[r][1] for r in rows_list)
+
+    monkeypatch.setattr(quant, "_faster", faster)
+    monkeypatch.setattr(quant, "_streamed", lambda h, i, d: [torch.randn(i, h, dtype=d)])
+    for case, want in [({1: (1, 2), 4: (1, 2), 8: (1, 2), 16: (2, 1), 32: (1, 2), 64: (1, 2)}, 8),
+                       ({1: (1, 2), 4: (1.95, 2), 8: (1, 2), 16: (1, 2), 32: (1, 2), 64: (1, 2)}, 0),
+                       ({r: (1, 2) for r in (1, 4, 8, 16, 32, 64)}, 64)]:
+        times.clear()
+        times.update(case)
+        monkeypatch.setattr(quant, "_INT8_ROWS", {})
+        assert int8_rows(16, 32, torch.float32) == want
+
+
 def test_quantization_option_is_checked():
     cpu, gpu, shape = torch.device("cpu"), torch.device("cuda"), (64, 128, torch.float32)
-    # auto: measured on a CPU (whichever way it goes here), never on a GPU
-    assert check_quantization(None, cpu, *shape) == int8_pays(*shape) == check_quantization("auto", cpu, *shape)
+    # auto: measured on a CPU against the products the head would otherwise run (whichever way
+    # it goes here), never on a GPU
+    assert check_quantization(None, cpu, *shape) == check_quantization("auto", cpu, *shape) in (0, 4, *quant.INT8_ROWS)
     assert not check_quantization(None, gpu, *shape)
-    assert check_quantization("int8", cpu, *shape) and not check_quantization("none", cpu, *shape)
+    assert check_quantization("int8", cpu, *shape) == INT8_ALWAYS and check_quantization("none", cpu, *shape) == 0
     with pytest.raises(ValueError, match="expected one of auto, int8, none"):
         SpecConfig(method="eagle", extra={"quantization": "fp8"})
     with pytest.raises(ValueError, match="CPU only"):

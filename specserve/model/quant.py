@@ -8,7 +8,7 @@ against plain decoding of the same quantized model. Elsewhere draft heads fall b
 int8 weight-only kernel (`torch._weight_int8pack_mm`) for products of up to `MAX_ROWS` rows and
 a dequantized copy beyond; that path is not batch-invariant, so the target refuses it.
 Whether int8 is faster than the dtype's own GEMM for a draft head depends on the CPU, so
-`int8_pays` measures it where it runs.
+`int8_rows` measures it where it runs.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def check_target_quantization(value: str, device: str) -> None:
                          f"({cpu_linear.why_unavailable()})")
 
 
-_INT8_PAYS: dict[tuple, bool] = {}
+_INT8_ROWS: dict[tuple, int] = {}
 _F32_PAYS: dict[tuple, bool] = {}
 _WIDE: list[bool] = []  # pick_wide_blocks' answer, once measured
 
@@ -112,22 +112,32 @@ def _faster(ours, theirs, hidden: int, dtype: torch.dtype, rows_list=(1, 4), mar
     return True
 
 
+def _streamed(hidden: int, intermediate: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """[intermediate, hidden] matrices of 48 MB in all: more than a CPU's caches hold, so that
+    products over them in turn read their weights from memory, as a draft's do in a decode step
+    (the target's step before them streams its own weights through the caches)."""
+    count = min(256, max(2, (48 << 20) // (dtype.itemsize * hidden * intermediate)))
+    return [torch.randn(intermediate, hidden, dtype=dtype) * 0.02 for _ in range(count)]
+
+
+def _in_turn(products: list) -> object:
+    return lambda x: [p(x) for p in products]
+
+
 def f32_kernel_pays(hidden: int, intermediate: int) -> bool:
     """Whether our float32 linear kernel (specserve.kernels.cpu.cpu_linear) beats torch's GEMM on
-    this CPU at 1 and 8 rows (by 10%), over 48 MB of [intermediate, hidden] matrices (read
-    transposed, as a draft's products take them: spec_decode.quant.draft_linear): more than a
-    CPU's caches hold, so that weights stream from memory as in a decode step. The choice for
-    a float32 draft head's products (a target's always take our kernel: batch invariance,
+    this CPU at 1 and 8 rows (by 10%), over streamed weights (`_streamed`, read transposed, as a
+    draft's products take them: spec_decode.quant.draft_linear). The choice for a float32 draft
+    head's products (a target's always take our kernel: batch invariance,
     LlamaForCausalLM.finalize_weights). Cached."""
     key = (hidden, intermediate, torch.get_num_threads())
     if key not in _F32_PAYS:
         _F32_PAYS[key] = False
         if cpu_linear.available():
-            count = min(256, max(2, (48 << 20) // (4 * hidden * intermediate)))
-            weights = [torch.randn(intermediate, hidden) * 0.02 for _ in range(count)]
+            weights = _streamed(hidden, intermediate, torch.float32)
             packed = [cpu_linear.PackedFloat32(w, None) for w in weights]
             transposed = [w.t().contiguous() for w in weights]
-            _F32_PAYS[key] = _faster(lambda x: [p(x) for p in packed], lambda x: [x @ w for w in transposed],
+            _F32_PAYS[key] = _faster(_in_turn(packed), _in_turn([lambda x, w=w: x @ w for w in transposed]),
                                      hidden, torch.float32, (1, 8), rounds=5)
     return _F32_PAYS[key]
 
@@ -155,11 +165,29 @@ def pick_wide_blocks(layers: list) -> bool:
     return cpu_linear.wide(_WIDE[0])
 
 
-def int8_pays(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
-    """Whether int8 weight-only products beat the dtype's GEMM on this CPU for 1 and 4 rows of
-    a head-sized matrix (by 10%). Cached."""
+INT8_ROWS = (8, 16, 32, 64)  # row counts int8_rows tries past the first 4
+
+
+def int8_rows(hidden: int, intermediate: int, dtype: torch.dtype, float_linear=None) -> int:
+    """Up to how many rows int8 weight-only products beat the dtype's on this CPU, over
+    streamed head-sized weights (`_streamed`: in a decode step a draft's weights come from
+    memory, where int8's quarter of the bytes counts; one matrix held in the caches measured
+    int8 1.1x at 4 rows on an AMX Xeon, streamed 1.7x). 0 unless int8 is 10% faster at 1 and
+    4 rows; else 4 or the largest of INT8_ROWS, in order, at which it is no slower (past a
+    few dozen rows rebuilding the weights costs more than their bytes save: streamed, 1.3x at
+    8 rows, 0.9x at 24, 0.75x at 64 there). float_linear(weight) -> the product as the draft
+    would otherwise run it (default: F.linear). Cached."""
     key = (hidden, intermediate, dtype, torch.get_num_threads())
-    if key not in _INT8_PAYS:
-        weight = torch.randn(intermediate, hidden, dtype=dtype) * 0.02
-        _INT8_PAYS[key] = _faster(Int8Linear(weight, None), lambda x: F.linear(x, weight), hidden, dtype)
-    return _INT8_PAYS[key]
+    if key not in _INT8_ROWS:
+        weights = _streamed(hidden, intermediate, dtype)
+        ours = _in_turn([Int8Linear(w, None) for w in weights])
+        theirs = _in_turn([(float_linear or (lambda w: lambda x: F.linear(x, w)))(w) for w in weights])
+        rows = 0
+        if _faster(ours, theirs, hidden, dtype, rounds=5):
+            rows = 4
+            for more in INT8_ROWS:
+                if not _faster(ours, theirs, hidden, dtype, (more,), margin=1.0, rounds=2):
+                    break
+                rows = more
+        _INT8_ROWS[key] = rows
+    return _INT8_ROWS[key]

@@ -84,7 +84,7 @@ class EagleProposer:
 
     def __init__(self, target_model, head_dir: str | Path | None = None,
                  num_speculative_tokens: int = DEFAULT_DRAFTS["eagle"], depth: int | None = None,
-                 topk: int | None = None, max_positions: int = 8192, quantize: bool = False) -> None:
+                 topk: int | None = None, max_positions: int = 8192, quantize: int = 0) -> None:
         """Defaults (also speculative_config's): depth min(4, m), top-2."""
         from specserve.spec_decode.heads_io import load_eagle
 
@@ -98,7 +98,7 @@ class EagleProposer:
         self.head.rotary.float()
         self.embed = (embed.to(self.device, self.dtype) if embed is not None
                       else target_model.embed_tokens.weight).detach()
-        f32_kernel = not quantize and f32_kernel_for(param, head.arch.hidden_size, head.arch.intermediate_size)
+        f32_kernel = f32_kernel_for(param, head.arch.hidden_size, head.arch.intermediate_size)
         self.draft = DraftPass(self.head, lambda w, b: draft_linear(w, b, quantize, f32_kernel))
         # an EAGLE-3 head: target features are its fusion of the final hidden states and inner
         # layers' outputs (the decoder shows it those: StepLogits.features)

@@ -52,15 +52,14 @@ class MedusaProposer:
     costs_per_request = True
 
     def __init__(self, target_model, heads_dir, num_speculative_tokens: int = DEFAULT_DRAFTS["medusa"],
-                 tree: list | None = None, quantize: bool = False) -> None:
+                 tree: list | None = None, quantize: int = 0) -> None:
         from specserve.spec_decode.heads_io import load_medusa
 
         w = target_model.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
         heads, d2t = load_medusa(heads_dir, target_model.arch)
         self.heads = heads.to(self.device, self.dtype).requires_grad_(False)  # (drafting needs no grad context)
-        f32_kernel = not quantize and f32_kernel_for(w, target_model.arch.hidden_size,
-                                                     target_model.arch.intermediate_size)
+        f32_kernel = f32_kernel_for(w, target_model.arch.hidden_size, target_model.arch.intermediate_size)
         self.lm_head, self.d2t = draft_lm_head(self.heads, w, d2t, quantize, f32_kernel)  # spec_decode.quant
         self.plan, self.dfs = medusa_plan(DEFAULT_MEDUSA_TREE if tree is None else tree, heads.num_heads)
         self.width = 1 + max(rank for _, rank, _ in self.plan)  # top-k each head needs

@@ -1,11 +1,13 @@
 """Draft-head weight formats (speculative_config "quantization": "auto" | "int8" | "none").
 
 A head's passes are a few rows each, so on a CPU whose int8 weight-only kernel beats the
-model's dtype at a few rows (specserve.model.quant.int8_pays, measured at start) its linear
-layers and its LM head run in int8; else, on a CPU float32 model where our float32 kernel beats
-PyTorch's GEMM (specserve.model.quant.f32_kernel_pays, measured at start), through that, and
-otherwise through PyTorch's over transposed weights. Only the drafts change: verification uses
-the target's exact distribution, so output stays lossless whatever the draft proposes.
+model's dtype at a few rows (specserve.model.quant.int8_rows, measured at start) its linear
+layers and its LM head run in int8 up to the row count where int8 stops paying (larger
+passes, a prompt's catch-up or many requests' nodes, in the model's dtype); else, on a CPU
+float32 model where our float32 kernel beats PyTorch's GEMM (specserve.model.quant.
+f32_kernel_pays, measured at start), through that, and otherwise through PyTorch's over
+transposed weights. Only the drafts change: verification uses the target's exact
+distribution, so output stays lossless whatever the draft proposes.
 """
 
 from __future__ import annotations
@@ -14,14 +16,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.model.quant import Int8Linear, f32_kernel_pays, int8_pays, quantize_linears
+from specserve.model.quant import Int8Linear, f32_kernel_pays, int8_rows, quantize_linears
+
+INT8_ALWAYS = 1 << 30  # check_quantization's answer for "int8": every product in int8
 
 
-def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool, f32_kernel: bool):
-    """One product of a draft as drafting runs it, a callable [rows, K] -> [rows, N]: int8
-    (quantize), our float32 kernel (f32_kernel: see `f32_kernel_for`) or PyTorch's."""
+def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantize: int, f32_kernel: bool):
+    """One product of a draft as drafting runs it, a callable [rows, K] -> [rows, N]: int8 for
+    products of up to `quantize` rows (0 or False: never; True or INT8_ALWAYS: always; see
+    check_quantization), our float32 kernel (f32_kernel: see `f32_kernel_for`) or PyTorch's."""
     if quantize:
-        return Int8Linear(weight, bias)
+        int8 = Int8Linear(weight, bias)
+        if quantize is True or quantize >= INT8_ALWAYS:
+            return int8
+        dense, most = draft_linear(weight, bias, 0, f32_kernel), int(quantize)
+        return lambda x: int8(x) if x.shape[0] <= most else dense(x)
     if f32_kernel:
         from specserve.kernels.cpu.cpu_linear import pack_float32
 
@@ -46,11 +55,11 @@ def f32_kernel_for(weight: torch.Tensor, hidden: int, intermediate: int) -> bool
             and f32_kernel_pays(hidden, intermediate))
 
 
-def draft_lm_head(heads: nn.Module | None, weight: torch.Tensor, d2t: torch.Tensor | None, quantize: bool,
+def draft_lm_head(heads: nn.Module | None, weight: torch.Tensor, d2t: torch.Tensor | None, quantize: int,
                   f32_kernel: bool = False):
     """A draft's LM head as its proposer uses it: the target's LM head weight [V, hidden],
-    restricted to the draft vocabulary d2t when there is one; with quantize, it and every
-    nn.Linear of heads (in place; None: no other layers) in int8. Returns (the LM head, a
+    restricted to the draft vocabulary d2t when there is one; with quantize, it in int8 as
+    draft_linear runs it and every nn.Linear of heads (in place; None: no other layers) in int8. Returns (the LM head, a
     callable [rows, hidden] -> [rows, N]; d2t on the weight's device or None). No gradient
     ever flows through it (proposers draft without a grad-mode context)."""
     weight = weight.detach()
@@ -66,13 +75,17 @@ def draft_lm_head(heads: nn.Module | None, weight: torch.Tensor, d2t: torch.Tens
 
 
 def check_quantization(value, device: torch.device, hidden: int, intermediate: int,
-                       dtype: torch.dtype) -> bool:
-    """speculative_config "quantization" -> whether to quantize the draft head. "auto" (the
-    default): on a CPU, int8 where `int8_pays` measures it faster than the model's dtype for a
-    head of this shape; off elsewhere."""
+                       dtype: torch.dtype) -> int:
+    """speculative_config "quantization" -> up to how many rows the draft head's products run in
+    int8 (0: none, INT8_ALWAYS: all). "auto" (the default): on a CPU, as far as `int8_rows`
+    measures int8 faster than the products the head would otherwise run (f32_kernel_for,
+    draft_linear) for a head of this shape; none elsewhere."""
     value = "auto" if value is None else value  # one of auto, int8, none (SpecConfig checks)
     if value == "int8" and device.type != "cpu":
         raise ValueError("speculative_config.quantization: 'int8' runs on the CPU only")
-    if value == "auto":
-        return device.type == "cpu" and int8_pays(hidden, intermediate, dtype)
-    return value == "int8"
+    if value != "auto":
+        return INT8_ALWAYS if value == "int8" else 0
+    if device.type != "cpu":
+        return 0
+    f32_kernel = dtype == torch.float32 and f32_kernel_for(torch.empty(0), hidden, intermediate)
+    return int8_rows(hidden, intermediate, dtype, lambda w: draft_linear(w, None, 0, f32_kernel))
