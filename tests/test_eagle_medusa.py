@@ -313,6 +313,35 @@ def _count_head_passes(llm, window: int | None = None) -> list[list[int]]:
     return passes
 
 
+def test_the_drafting_cost_is_learnt_from_steady_calls(tmp_path):
+    """What a proposer call costs (draft_pays' share) is learnt only from calls whose requests
+    it drafted for in the step before: not from a request's first call (its pass over the
+    prompt) nor from a probe's catch-up after steps without drafting."""
+    config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "lookup_branch": 0,
+              "quantization": "none"}
+    llm = tiny_llm(tmp_path, config)
+    spec, engine = llm.engine.spec, llm.engine
+    calls, steps = [], [0]  # per proposer call: [engine step, request ids, learnt]
+    propose, update, step = spec.proposer.propose, spec.policy.draft_cost.update, engine.step
+    spec.proposer.propose = lambda batch: calls.append([steps[0], set(batch.request_ids), False]) or propose(batch)
+
+    def learnt(*args):
+        calls[-1][2] = True
+        return update(*args)
+
+    def counted_step():
+        steps[0] += 1
+        return step()
+
+    spec.policy.draft_cost.update, engine.step = learnt, counted_step
+    spec.policy.draft_cost.x, spec.policy.draft_cost.y = [], []  # (nothing learnt: every request drafts)
+    for prompt in PROMPTS:  # one request at a time: a first call each, then steady ones and gaps
+        greedy_ids(llm, [prompt])
+    assert not calls[0][2] and any(c[2] for c in calls) and not all(c[2] for c in calls[1:])
+    for (at, ids, _), (then, now, was_learnt) in zip(calls, calls[1:]):
+        assert was_learnt == (then == at + 1 and now <= ids)
+
+
 def test_a_gated_off_head_adds_no_work(tmp_path):
     """A head that does not pay runs on no step but its probes; a probe catches the head up on
     every committed token since its last run in one batched pass, at most `window` of them

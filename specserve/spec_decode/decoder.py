@@ -48,6 +48,7 @@ class SpecDecoder:
         self.states: dict[str, RequestState] = {}
         self._gate_seen: set[str] = set()  # requests the speculation gate has counted (Realized.new_requests)
         self._num_drafted = 1  # requests the proposer drafted for last step (its cost share)
+        self._drafted_last: set[str] = set()  # the requests it drafted for in the step before (see _draft)
         self._interval: tuple[float, int, bool, bool] | None = None  # from propose to propose
         self._busy = 0.0  # seconds inside engine steps so far: the clock of _interval
         self._step: tuple[bool, int, int] = (False, 0, 0)  # decode only, requests, tokens emitted
@@ -245,6 +246,7 @@ class SpecDecoder:
                 self._gate_seen.update(new)
                 self.policy.realized.new_requests(len(new), batch)
         if not (self._speculate(batch, bool(eligible), step_start) if self.policy.adaptive else eligible):
+            self._drafted_last = set()
             return  # nothing to draft for, a plain step to measure, or speculation measured slower
         states = [self._state(r) for r, _ in eligible]
         trees = self._draft(eligible, states, batch) if self.proposer is not None else [None] * len(eligible)
@@ -286,9 +288,14 @@ class SpecDecoder:
         if self.proposer.name == "draft_model":  # its KV goes to the slots of the next verify step
             chosen = [j for j in chosen if self.kv.try_allocate(eligible[j][0], 1 + ks[j])]
         self._num_drafted = max(1, len(chosen))
+        reqs = [eligible[j][0] for j in chosen]
+        # a call is steady when the proposer drafted for each of its requests in the step before:
+        # what drafting costs a step while it goes on (draft_pays' question), without a first
+        # call's pass over a prompt or a probe's catch-up over the tokens since the last one
+        steady, self._drafted_last = (self._drafted_last.issuperset(r.request_id for r in reqs),
+                                      {r.request_id for r in reqs})
         if not chosen:
             return trees
-        reqs = [eligible[j][0] for j in chosen]
         batch_in = ProposeBatch(
             [r.request_id for r in reqs], [r.all_token_ids for r in reqs],
             [ks[j] for j in chosen], self.policy.min_score(batch),
@@ -296,7 +303,7 @@ class SpecDecoder:
             [r.num_computed_tokens for r in reqs], [r.tenant for r in reqs])
         start = device_clock(self.runner.device)  # (on CUDA: the drafts' work, not their launches)
         drafted = self.proposer.propose(batch_in)
-        if self.policy.adaptive:
+        if self.policy.adaptive and steady:
             self.policy.draft_cost.update(len(chosen), device_clock(self.runner.device) - start)
         for j, tree in zip(chosen, drafted):
             trees[j] = tree
