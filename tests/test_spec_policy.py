@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from specserve.spec_decode.cost_model import (MIN_SAMPLES, PLAIN_SAMPLE_EVERY, PROBE_AFTER, PROBE_RUN, Curve,
-                                              Realized, StepCostModel)
+                                              PROBE_BUDGET, Realized, StepCostModel)
 from specserve.spec_decode.draft_tree import DraftTree
 from specserve.spec_decode.policy import AHEAD_MAX, FAIRNESS, PROBE_FIRST, ScoreCalibration, SpecPolicy
 
@@ -304,6 +304,21 @@ def test_speculation_measured_slower_is_switched_off_and_probed():
     assert off == 1 + MIN_SAMPLES and sum(modes[off:]) <= PROBE_RUN * 4  # ... and only probe runs follow
     assert modes[off:off + PROBE_AFTER - 1] == [False] * (PROBE_AFTER - 1)
     assert run_realized(Realized(), 1, 200, spec_cost=1.1).count(True) <= MIN_SAMPLES + 3 * PROBE_RUN  # batch 1 too
+
+
+def test_probes_of_a_far_slower_speculation_cost_about_their_budget(monkeypatch):
+    """Where speculation measured 2.7x plain's seconds per token (drafting dearer than a
+    forward, as a GPU's graph-replayed step against the head's passes), its probe runs come
+    rarely enough to cost about PROBE_BUDGET of the time after the first verdict, not a run
+    of PROBE_RUN steps every PROBE_MAX; near plain (1.1x) the doubling schedule is unchanged."""
+    steps = 4000
+    modes = run_realized(Realized(), 16, steps, spec_cost=2.7)
+    off = modes.index(False, 1)
+    assert sum(modes[off:]) * 1.7 / steps <= 2 * PROBE_BUDGET  # plain steps lost to probes
+    near = run_realized(Realized(), 16, 1000, spec_cost=1.1)
+    monkeypatch.setattr(Realized, "_affordable", staticmethod(lambda ratio: 0))  # the doubling alone
+    assert near == run_realized(Realized(), 16, 1000, spec_cost=1.1)
+    assert sum(run_realized(Realized(), 16, steps, spec_cost=2.7)[off:]) > 3 * sum(modes[off:])
 
 
 def test_speculation_judged_on_tokens_over_time_not_on_per_step_ratios():

@@ -27,6 +27,8 @@ CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 CALIBRATION_CONTEXT = 128
 PLAIN_EVERY = 16  # steps with drafts at a batch size between two plain ones (plain(B) refresh)
 PROBE_AFTER, PROBE_MAX, PROBE_RUN = 32, 128, 6  # plain steps before a speculative probe run; its steps
+PROBE_BUDGET, PROBE_LONGEST = 0.01, 1024  # what probe runs may cost (a share of plain decoding's time,
+# by the loss last measured), and the most plain steps that stretches the wait to
 MIN_SAMPLES = 8  # speculative samples at a batch size before it can be judged slower
 PLAIN_SAMPLE_EVERY = 64  # steps with speculation between two plain samples of Realized
 FIT_DECAY = 0.95  # per live step of a batch size: the weight of older steps in extra(B)'s fit
@@ -296,9 +298,20 @@ class Realized:
             return True
         off.waited += 1
         if off.waited >= off.interval:  # start a probe run (its first step re-warms the proposer)
-            off.waited, off.interval, off.run = 0, min(PROBE_MAX, 2 * off.interval), PROBE_RUN - 1
+            off.waited, off.interval, off.run = 0, max(min(PROBE_MAX, 2 * off.interval),
+                                                       self._affordable(spec / plain)), PROBE_RUN - 1
             return True
         return False
+
+    @staticmethod
+    def _affordable(ratio: float) -> int:
+        """Plain steps between probe runs that keep their cost within PROBE_BUDGET of plain
+        decoding's time, where speculation measured `ratio` x plain's seconds per token: a
+        run's extra time is about PROBE_RUN x (ratio - 1) plain steps. Where drafting costs
+        more than a forward (a GPU step replayed from a graph, the head's passes not) a run of
+        steps at 2.7x plain every 128 steps cost 8% of the time; at 1.1x (a CPU under load)
+        the doubling schedule alone keeps it under 1%."""
+        return min(PROBE_LONGEST, math.ceil(PROBE_RUN * max(0.0, ratio - 1) / PROBE_BUDGET))
 
 
 def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 2) -> float | None:
