@@ -13,6 +13,8 @@ Whether int8 is faster than the dtype's own GEMM for a draft head depends on the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,7 +122,8 @@ def _streamed(hidden: int, intermediate: int, dtype: torch.dtype) -> list[torch.
     return [torch.randn(intermediate, hidden, dtype=dtype) * 0.02 for _ in range(count)]
 
 
-def _in_turn(products: list) -> object:
+def _in_turn(products: list) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """One call that runs every product on x in turn (a measurement's unit)."""
     return lambda x: [p(x) for p in products]
 
 

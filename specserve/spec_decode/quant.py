@@ -49,9 +49,13 @@ def f32_kernel_for(weight: torch.Tensor, hidden: int, intermediate: int) -> bool
     """Whether a draft's float32 products on this CPU go through our kernel: where a
     measurement at start (cached) found it faster than PyTorch's GEMM (a target's go through
     it regardless: LlamaForCausalLM.finalize_weights)."""
+    return _f32_kernel(weight.device, weight.dtype, hidden, intermediate)
+
+
+def _f32_kernel(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
     from specserve.kernels.cpu import cpu_linear
 
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.available()
+    return (device.type == "cpu" and dtype == torch.float32 and cpu_linear.available()
             and f32_kernel_pays(hidden, intermediate))
 
 
@@ -87,5 +91,5 @@ def check_quantization(value, device: torch.device, hidden: int, intermediate: i
         return INT8_ALWAYS if value == "int8" else 0
     if device.type != "cpu":
         return 0
-    f32_kernel = dtype == torch.float32 and f32_kernel_for(torch.empty(0), hidden, intermediate)
+    f32_kernel = _f32_kernel(device, dtype, hidden, intermediate)
     return int8_rows(hidden, intermediate, dtype, lambda w: draft_linear(w, None, 0, f32_kernel))
