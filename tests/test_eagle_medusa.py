@@ -630,7 +630,7 @@ def test_eagle_children_in_one_c_call_are_the_python_reference(with_map):
 
     results = []
     for add in (prop._add_children, given, reference):
-        grow = [_Growing(None, 10, 8) for _ in range(3)]
+        grow = [_Growing(None, 10) for _ in range(3)]
         add(grow, [[-1]] * 3, roots, -7.0)
         parents = [list(t.frontier) for t in grow]
         add(grow, parents, later[:sum(map(len, parents))], -4.0)
@@ -638,7 +638,7 @@ def test_eagle_children_in_one_c_call_are_the_python_reference(with_map):
     assert results[0] == results[1] == results[2]
     assert any(len(t[5]) < 3 for t in results[0]) and any(len(t[5]) == 3 for t in results[0])  # the cut took some
     with pytest.raises(ValueError):  # a row per parent
-        tree_ops.eagle_children(layer_ops.rows_view(roots), 3, 0, -7.0, [_Growing(None, 10, 8)], [[-1, -1]])
+        tree_ops.eagle_children(layer_ops.rows_view(roots), 3, 0, -7.0, [_Growing(None, 10)], [[-1, -1]])
 
 
 def test_eagle_next_pass_in_one_c_call_is_the_python_reference():
@@ -658,7 +658,7 @@ def test_eagle_next_pass_in_one_c_call_is_the_python_reference():
     runs = []
     on_device = partial(tree_ops.eagle_next_pass, device=torch.device("cpu"))
     for next_pass in (tree_ops.eagle_next_pass, on_device, tree_reference.eagle_next_pass):
-        grow = [_Growing(SimpleNamespace(pairs=p, kv=None), 20 + p, 8) for p in pairs]
+        grow = [_Growing(SimpleNamespace(pairs=p, kv=None), 20 + p) for p in pairs]
         prop._add_children(grow, [[-1]] * len(pairs), logits[0][:len(pairs)], -3.0)
         passes = []
         for d in range(1, 4):
@@ -733,3 +733,158 @@ def test_an_eagle3_head_grown_from_an_eagle2_one_drafts_the_same(tmp_path):
     save_eagle(grown, None, tmp_path / "grown", dtype=torch.float32)
     loaded = load_eagle(tmp_path / "grown", arch)[0]
     assert loaded.aux_layers == (0, 1) and loaded.norm is None and loaded.fuse is not None
+
+
+def _proposer_with_requests(tmp_path, depth: int, topk: int, device: str = "cpu"):
+    """An EagleProposer on the tiny model (float32, on `device`) and three requests it has
+    seen, each with one pending token; the requests and their KV manager."""
+    arch = ModelArch.from_dict(TINY)
+    config = ModelConfig(load_format="dummy", seed=3, device=device, dtype="float32")
+    runner = ModelRunner(None, arch, config, CacheConfig(4, 64), 256)
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    prop = EagleProposer(runner.model, write_eagle1(tmp_path / "eagle", seed=depth), 8, depth=depth, topk=topk)
+    reqs = [Request(str(i), p, SamplingParams(temperature=0), set(), 0)
+            for i, p in enumerate([[5, 9, 17, 33, 2], [7, 7, 1, 80, 44, 3, 12], [3, 4, 5]])]
+    for r in reqs:
+        h = prompt_features(runner, kv, r)
+        prop.observe([r.request_id], [0], [len(h)], h)
+        r.all_token_ids.append(11)
+    return prop, reqs, kv
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["per_request", "pooled"])
+@pytest.mark.parametrize("depth,topk", [(3, 3), (5, 2)])
+def test_device_growth_builds_the_host_growths_trees(tmp_path, monkeypatch, pooled, depth, topk):
+    """The growth on the device (eagle_grow: every frontier expanded, no host round trip
+    between depths) drafts the trees the host growth does, scores to the bit, with and
+    without a score cut (the cut's nodes then dropped afterwards), over either head K/V."""
+    from specserve.spec_decode.eagle_grow import DeviceGrowth
+
+    monkeypatch.setenv("SPECSERVE_DRAFT_KV", "pooled" if pooled else "per_request")
+    prop, reqs, kv = _proposer_with_requests(tmp_path, depth, topk)
+    assert prop.growth is None  # the host's, on a CPU
+    device = DeviceGrowth(prop.draft, prop._lm_head, prop.d2t, prop.embed, depth, topk)
+    cut_some = 0
+    for cut in (-math.inf, -3.0, -1.5, math.log(0.999)):
+        prop.growth = None
+        want = prop.propose(propose_batch(reqs, 8, cut))
+        prop.growth = device
+        got = prop.propose(propose_batch(reqs, 8, cut))
+        for w, g in zip(want, got):
+            assert (w is None) == (g is None)
+            if w is not None:
+                assert (g.tokens, g.parents, g.scores, g.dfs) == (w.tokens, w.parents, w.scores, w.dfs)
+                cut_some += len(w) < 8
+    assert cut_some and want == [None, None, None]  # the cuts pruned some trees, the last all
+    for r in reqs:
+        kv.free(r)
+
+
+def test_device_growth_has_no_host_round_trip():
+    """The growth's ops run on the meta device, where anything that reads a value back
+    (.item(), .tolist(), a mask's nonzero, a data-dependent shape) raises: what lets a CUDA
+    graph capture them."""
+    from specserve.spec_decode.eagle_grow import DeviceGrowth
+
+    head = EagleHead(ModelArch.from_dict(HEAD)).to("meta")
+    draft = DraftPass(head, lambda w, b: partial(torch.nn.functional.linear, weight=w, bias=b), fused=False)
+    embed = torch.empty(96, 64, device="meta")
+    lm = embed[:48].t()
+    growth = DeviceGrowth(draft, lambda x: x @ lm, torch.empty(48, dtype=torch.int64, device="meta"), embed, 4, 2)
+    b, width = 3, 16 + growth.entries
+
+    def empty(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    out = growth.run(empty(b, 64), empty(b, width, 2, 16), empty(b, width, 2, 16), empty(b, dtype=torch.int64),
+                     empty(b, dtype=torch.int64))
+    assert [o.shape for o in out] == [(b, growth.nodes)] * 3 and growth.nodes == 2 + 3 * 4
+
+
+def test_device_growth_in_the_engine_keeps_greedy(tmp_path, monkeypatch):
+    """SPECSERVE_DRAFT_GROWTH=device through the engine: ten requests at once keep plain greedy;
+    an unknown choice, and graphs off CUDA, are refused with the variable's name."""
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 90 + 3 for j in range(5)]} for i in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = greedy_ids(tiny_llm(tmp_path), prompts, params)
+    config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "num_speculative_tokens": 10,
+              "adaptive": False, "depth": 4, "topk": 3}
+    monkeypatch.setenv("SPECSERVE_DRAFT_GROWTH", "device")
+    llm = tiny_llm(tmp_path, config)
+    assert llm.engine.spec.proposer.growth is not None
+    assert greedy_ids(llm, prompts, params) == ref and llm.engine.stats.spec_num_drafts >= 10
+    for bad in ("gpu", "graphs"):
+        monkeypatch.setenv("SPECSERVE_DRAFT_GROWTH", bad)
+        with pytest.raises(ValueError, match="SPECSERVE_DRAFT_GROWTH"):
+            tiny_llm(tmp_path, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_captured_growth_on_cuda_drafts_the_host_growths_trees(tmp_path):
+    """On CUDA (SPECSERVE_DRAFT_GROWTH's default there): the growth's graphs, captured for
+    every bucket, replay the uncaptured ops' trees bit for bit and the host growth's trees
+    (its attention reads the same K/V in another layout: scores to rounding)."""
+    prop, reqs, kv = _proposer_with_requests(tmp_path, 4, 2, "cuda")
+    growth = prop.growth
+    assert growth is not None and growth.use_graphs and not growth._graphs
+    assert growth.capture(4, 256) > 0 and (4, 256) in growth._graphs and (1, 64) in growth._graphs
+    for cut in (-math.inf, -3.0):
+        graphs = prop.propose(propose_batch(reqs, 8, cut))
+        growth.use_graphs, saved, growth._graphs = False, growth._graphs, {}
+        eager = prop.propose(propose_batch(reqs, 8, cut))
+        prop.growth = None
+        host = prop.propose(propose_batch(reqs, 8, cut))
+        prop.growth, growth._graphs, growth.use_graphs = growth, saved, True
+        for g, e, h in zip(graphs, eager, host):
+            if h is None:
+                assert g is None and e is None
+                continue
+            assert (g.tokens, g.parents, g.scores) == (e.tokens, e.parents, e.scores)
+            assert (g.tokens, g.parents) == (h.tokens, h.parents)
+            assert g.scores == pytest.approx(h.scores, abs=1e-4)
+    for r in reqs:
+        kv.free(r)
+
+
+def test_captured_buckets_take_each_call_padded(tmp_path, monkeypatch):
+    """The graphs' host side, on a CPU: capture() makes a bucket for every power of two of
+    requests and context within GRAPH_BYTES, their K/V views of one buffer; a call fills the
+    bucket of its batch and longest context (padding rows and stale entries masked) and
+    replays it, drafting the host growth's trees. A stand-in replays the ops where CUDA would
+    replay their graph."""
+    import specserve.spec_decode.eagle_grow as eagle_grow
+
+    class Replay:  # what a CUDA graph does on replay: the captured ops over the same buffers
+        def __init__(self, growth, inputs):
+            self.run = lambda: growth.run(inputs[0], inputs[1], inputs[2], inputs[3][0], inputs[3][1])
+            self.outputs, self.replays = self.run(), 0
+
+        def replay(self):
+            for old, new in zip(self.outputs, self.run()):
+                old.copy_(new)
+            self.replays += 1
+
+    def capture_one(growth, inputs):
+        graph = Replay(growth, inputs)
+        return eagle_grow._Captured(graph, inputs, graph.outputs)
+
+    monkeypatch.setattr(eagle_grow.DeviceGrowth, "_capture_one", capture_one)
+    prop, reqs, kv = _proposer_with_requests(tmp_path, 4, 2)
+    growth = prop.growth = eagle_grow.DeviceGrowth(prop.draft, prop._lm_head, prop.d2t, prop.embed, 4, 2, True)
+    monkeypatch.setattr(eagle_grow, "GRAPH_BYTES", growth._entry_bytes() * 4 * (128 + growth.entries))
+    assert growth.capture(3, 200) > 0
+    assert sorted(growth._graphs) == [(1, 64), (1, 128), (1, 256), (2, 64), (2, 128), (2, 256), (4, 64), (4, 128)]
+    assert len({g.inputs[1].data_ptr() for g in growth._graphs.values()}) == 1  # one K buffer for all
+    for cut in (-math.inf, -3.0):
+        for batch in (reqs, reqs[:1]):
+            got = prop.propose(propose_batch(batch, 8, cut))
+            prop.growth = None
+            want = prop.propose(propose_batch(batch, 8, cut))
+            prop.growth = growth
+            assert [(t.tokens, t.parents) if t else None for t in got] == \
+                [(t.tokens, t.parents) if t else None for t in want]
+            assert all(t is None or t.scores == pytest.approx(w.scores, abs=1e-5) for t, w in zip(got, want))
+    assert growth._graphs[(4, 64)].graph.replays == 2 and growth._graphs[(1, 64)].graph.replays == 2
+    for r in reqs:
+        kv.free(r)

@@ -32,6 +32,7 @@ from specserve.sampling import draft_top_k
 from specserve.spec_decode import tree_ops
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, preorder
 from specserve.env import env_str
+from specserve.spec_decode.eagle_grow import DeviceGrowth, growth_mode
 from specserve.spec_decode.eagle_head import DraftPass, HeadKV, HeadKVPool, Segment
 from specserve.spec_decode.quant import draft_linear, draft_lm_head, f32_kernel_for
 
@@ -67,7 +68,6 @@ class _Growing:
     """One request's tree while it grows."""
     cache: _HeadCache
     position: int  # n: position of the last committed token
-    budget: int
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
@@ -113,6 +113,10 @@ class EagleProposer:
         arch = head.arch
         self.pool = (HeadKVPool(arch.num_kv_heads, arch.head_dim, self.dtype, self.device)
                      if pooled_kv(self.device) else None)
+        mode = growth_mode(self.device)  # the trees grown on the host, or on the device (eagle_grow)
+        self.growth = (None if mode == "host" else
+                       DeviceGrowth(self.draft, self._lm_head, self.d2t, self.embed, self.depth, self.topk,
+                                    graphs=mode == "graphs"))
 
     def _new_kv(self):
         return HeadKV() if self.pool is None else self.pool.new()
@@ -180,11 +184,15 @@ class EagleProposer:
             return out
         caches = [self.cache[batch.request_ids[j]] for j in ready]
         self._catch_up(caches, [batch.token_ids[j] for j in ready])
-        grow = [_Growing(c, len(batch.token_ids[j]) - 1, min(self.m, batch.max_drafts[j]))
-                for c, j in zip(caches, ready)]
-        self._grow(grow, batch.min_score)
-        for j, g in zip(ready, grow):
-            tree = _rerank(g.tokens, g.parents, g.scores, g.budget, batch.min_score)
+        budgets = [min(self.m, batch.max_drafts[j]) for j in ready]
+        if self.growth is not None:  # on the device, one host round trip (eagle_grow)
+            nodes = self.growth.grow(caches, [len(batch.token_ids[j]) - 1 for j in ready])
+        else:
+            grow = [_Growing(c, len(batch.token_ids[j]) - 1) for c, j in zip(caches, ready)]
+            self._grow(grow, batch.min_score)
+            nodes = [(g.tokens, g.parents, g.scores) for g in grow]
+        for j, (tokens, parents, scores), m in zip(ready, nodes, budgets):
+            tree = _rerank(tokens, parents, scores, m, batch.min_score)
             out[j] = tree if len(tree) else None
         return out
 

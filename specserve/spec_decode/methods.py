@@ -91,6 +91,9 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
                                 config.extra.get("shared_corpus", False))
     elif chain:
         lookup = NgramProposer(chain, config.prompt_lookup_min, config.prompt_lookup_max)
+    growth = getattr(proposer, "growth", None)
+    if growth is not None:  # EAGLE's tree growth in CUDA graphs (eagle_grow.py), captured before anything is timed
+        stats.cuda_graph_capture_seconds += growth.capture(scheduler_config.max_num_seqs, max_model_len)
     adaptive = config.extra.get("adaptive", True)
     max_drafts = (k if proposer is not None else 0) + chain
     cost = StepCostModel.measure(runner, kv, min(scheduler_config.max_num_batched_tokens, 64)) if adaptive else None
