@@ -214,6 +214,28 @@ def test_a_head_that_does_not_pay_is_gated_off_and_probed():
     assert policy.draft_pays(state, 1, 1) and state.gate.on
 
 
+def test_a_head_does_not_draft_where_a_trusted_lookup_chain_leaves_it_too_little():
+    """Beside a lookup chain the head is worth what it adds past the chain's accepted prefix
+    (`beyond_lookup`): a request whose chains are accepted almost always skips the head's
+    drafting (its gate untouched: no wait, no probe, counted), one whose chains fail drafts as
+    without a chain, and a request without a chain as before."""
+    policy = SpecPolicy(model(lambda r: 0.05 + 0.001 * r), max_depth=8)
+    policy.draft_cost.update(1, 0.02)  # drafting costs two fifths of a step
+    trusted, failing = policy.new_state(), policy.new_state()
+    chain = DraftTree.chain([1, 2, 3, 4, 5, 6])
+    for _ in range(20):
+        policy.observe(trusted, chain, [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5])
+        policy.observe(failing, chain, [], [0, 1, 2, 3, 4, 5])
+    for state in (trusted, failing):
+        state.gate.gain = 2.0  # its head: two accepted tokens a drafting step
+    assert policy.beyond_lookup(trusted, 6, 2.0) < 0.4 < 1.5 < policy.beyond_lookup(failing, 6, 2.0) <= 2.0
+    assert policy.beyond_lookup(trusted, 0, 2.0) == 2.0  # no chain: all of it
+    gate = copy.deepcopy(trusted.gate)
+    assert not any(policy.draft_pays(trusted, 1, 1, 6) for _ in range(3 * PROBE_FIRST))
+    assert trusted.gate == gate  # skipped, not gated off: nothing to wait out afterwards
+    assert policy.draft_pays(trusted, 1, 1) and policy.draft_pays(failing, 1, 1, 6)
+
+
 def test_no_adaptation_drafts_and_verifies_everything():
     policy = SpecPolicy(None, max_depth=4, adaptive=False)
     assert policy.draft_pays(policy.new_state(), 64, 64)

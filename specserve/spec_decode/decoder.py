@@ -249,14 +249,16 @@ class SpecDecoder:
             self._drafted_last = set()
             return  # nothing to draft for, a plain step to measure, or speculation measured slower
         states = [self._state(r) for r, _ in eligible]
-        trees = self._draft(eligible, states, batch) if self.proposer is not None else [None] * len(eligible)
+        chains = None
         if self.lookup is not None:
             chains = self.lookup.lookup([r.request_id for r, _ in eligible], [r.all_token_ids for r, _ in eligible],
                                         [min(self.lookup.k, room) for _, room in eligible],
                                         [r.tenant for r, _ in eligible])
-            for j, chain in enumerate(chains):
-                if chain:
-                    trees[j], states[j].chain_nodes = (trees[j] or NO_DRAFTS).graft(chain)
+        trees = (self._draft(eligible, states, batch, chains) if self.proposer is not None
+                 else [None] * len(eligible))
+        for j, chain in enumerate(chains or ()):
+            if chain:
+                trees[j], states[j].chain_nodes = (trees[j] or NO_DRAFTS).graft(chain)
         self._select(eligible, states, trees, batch)
         self.log.maybe(self.stats)
 
@@ -275,14 +277,15 @@ class SpecDecoder:
         self._interval = (now, batch, spec, self._interval is not None and self._interval[2])
         return spec
 
-    def _draft(self, eligible, states, batch: int) -> list[DraftTree | None]:
-        """The per-request proposer, for the requests where it pays (and probes: `drafted`
-        with the gate off). A proposer whose drafts cost no model time (suffix decoding) drafts
-        for every request like prompt lookup, and its trees' first paths are valued like
-        lookup chains, by each request's own acceptance by depth."""
+    def _draft(self, eligible, states, batch: int, chains: list[list[int]] | None) -> list[DraftTree | None]:
+        """The per-request proposer, for the requests where it pays beside their lookup chains
+        (and probes: `drafted` with the gate off). A proposer whose drafts cost no model time
+        (suffix decoding) drafts for every request like prompt lookup, and its trees' first
+        paths are valued like lookup chains, by each request's own acceptance by depth."""
         free = not getattr(self.proposer, "costs_per_request", True)
         chosen = list(range(len(states))) if free else [
-            j for j, s in enumerate(states) if self.policy.draft_pays(s, batch, self._num_drafted)]
+            j for j, s in enumerate(states)
+            if self.policy.draft_pays(s, batch, self._num_drafted, len(chains[j]) if chains else 0)]
         trees: list[DraftTree | None] = [None] * len(eligible)
         ks = [min(self.max_drafts, room) for _, room in eligible]
         if self.proposer.name == "draft_model":  # its KV goes to the slots of the next verify step

@@ -130,15 +130,21 @@ class SpecPolicy:
         price = min(self.cost.row_price(batch, n) for n in (1, 2, 4, 8, 16, 32))
         return self.scores.min_score(self.plain_rate(batch) * price)
 
-    def draft_pays(self, state: RequestState, batch: int, num_drafting: int) -> bool:
-        """Whether the per-request proposer should draft for this request this step."""
+    def draft_pays(self, state: RequestState, batch: int, num_drafting: int, chain: int = 0) -> bool:
+        """Whether the per-request proposer should draft for this request this step, beside a
+        lookup chain of `chain` tokens: not while what it is expected to add past the chain
+        (`beyond_lookup`) pays for less than its share of drafting and its rows (the gate left as
+        it is: the next step without such a chain asks again); else the request's gate."""
         g = state.gate
         if not self.adaptive:
             return True
         share = self.draft_cost(max(1, num_drafting)) / max(1, num_drafting)
         rows = max(1.0, g.rows)
         price = self.cost.row_price(batch, max(1, round(rows * batch)))
-        g.on = g.gain >= self.plain_rate(batch) * (share + rows * price) * (1 + MARGIN)
+        need = self.plain_rate(batch) * (share + rows * price) * (1 + MARGIN)
+        if chain and self.beyond_lookup(state, chain, g.gain) < need:
+            return False
+        g.on = g.gain >= need
         if g.on:
             g.idle, g.interval = 0, PROBE_FIRST
             return True
@@ -147,6 +153,20 @@ class SpecPolicy:
             g.idle, g.interval = 0, min(PROBE_MAX, 2 * g.interval)
             return True
         return False
+
+    def beyond_lookup(self, state: RequestState, chain: int, gain: float) -> float:
+        """The tokens a proposer that gains `gain` a step is expected to add past the request's
+        lookup chain of `chain` tokens: where the chain's accepted prefix stops at j tokens (by
+        the request's lookup acceptance by depth), max(0, gain - j), weighted by its likelihood."""
+        reach = np.append(np.cumprod(self._lookup_rates(state)[:chain]), 0.0)  # P(>= j + 1 accepted)
+        stop = np.append(1.0, reach[:-1]) - reach  # P(exactly j accepted), j = 0 .. chain
+        return float(stop @ np.maximum(0.0, gain - np.arange(len(stop))))
+
+    def _lookup_rates(self, state: RequestState) -> np.ndarray:
+        """P(lookup node at depth d + 1 accepted | its parent accepted): the request's own,
+        with the decoder-wide rates as a prior worth two observations."""
+        own = state.lookup
+        return (own.accepted + 2 * self.lookup.rates()) / (own.tried + 2)
 
     # -- values and selection --------------------------------------------------------------------
     def values(self, state: RequestState, tree: DraftTree) -> np.ndarray:
@@ -157,9 +177,7 @@ class SpecPolicy:
             if scored:  # (lookup chains alone have none)
                 v[scored] = self.scores.values(np.array([tree.scores[i] for i in scored]))
         if state.chain_nodes:
-            own = state.lookup
-            rates = (own.accepted + 2 * self.lookup.rates()) / (own.tried + 2)
-            path = np.cumprod(rates[:len(state.chain_nodes)])
+            path = np.cumprod(self._lookup_rates(state)[:len(state.chain_nodes)])
             v[state.chain_nodes] = np.maximum(v[state.chain_nodes], path[:len(state.chain_nodes)])
         for i, p in enumerate(tree.parents):
             if p >= 0:
