@@ -2,11 +2,11 @@
 the next frontier as tensor ops of fixed shapes, with no host round trip between depths; on CUDA
 replayed from a CUDA graph per (requests, context) bucket.
 
-EagleProposer (spec_decode/eagle.py) grows its trees on the host by default: after each depth's
+On a CPU EagleProposer (spec_decode/eagle.py) grows its trees on the host: after each depth's
 LM head the top-k comes to the host, C bookkeeping (tree_ops) picks the next frontier and builds
-the next pass's inputs, which go back to the device. On a CPU that costs microseconds; on a GPU
-each depth waits for the device to drain and launches its small kernels one by one, so a
-drafting call costs more than the target's step it drafts for (docs/benchmarks.md).
+the next pass's inputs. On a GPU that way each depth waits for the device to drain and launches
+its small kernels one by one, and a drafting call cost more than the target's step it drafted
+for (docs/benchmarks.md).
 
 Here every request expands exactly k nodes per depth (EAGLE-2's frontier: the k best new nodes,
 ties to the earlier one) whatever they score; nodes under the cost model's score cut are dropped
