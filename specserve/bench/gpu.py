@@ -25,9 +25,10 @@ that a part which fails, hangs or poisons the CUDA context is recorded (status "
    (the shipped head) at batch 1, 8 and 16, bf16 (batch-invariant by default), fp32 and bf16
    with `batch_invariant=False` (`--greedy-dtypes`): tokens that differ from plain decoding
    (speculation is lossless, so 0 where batch-invariant), tok/s.
-6. real_model: the default model (its GGUF converted), plain vs ngram vs eagle at 1/4/16/64
-   in flight on Spec-Bench questions as chat, 128 tokens, greedy: tok/s, speedup over plain,
-   tokens per verify step, outputs that differ from plain's, steps that ran eagerly or failed
+6. real_model: the default model (its GGUF converted), plain vs ngram vs eagle (on CUDA also
+   eagle with its trees grown on the host: SPECSERVE_DRAFT_GROWTH=host) at 1/4/16/64 in flight
+   on Spec-Bench questions as chat, 128 tokens, greedy: tok/s, speedup over plain, tokens per
+   verify step, outputs that differ from plain's, steps that ran eagerly or failed
    (each load timed after 16 tokens of the same requests, untimed: a run of a second must not
    carry a kernel's first compile), and each speculative method's steps profiled at one
    request; then, at the most in flight,
@@ -91,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import gc
 import importlib.util
@@ -697,22 +699,18 @@ def _part_decode(s: dict, work: Path, rec: _Recorder) -> None:
     while modes:
         mode, kwargs, env = modes.pop(0)
         t = time.time()
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         try:
-            llm = LLM(str(model_dir), load_format="dummy", dtype=s["decode_dtype"], device=s["device"],
-                      speculative_config=None, max_model_len=max(512, plen + new + 128),
-                      kv_cache_memory_gb=s["kv_gb"], max_num_seqs=max(conc),
-                      max_num_batched_tokens=max(max(conc) * plen, 512), **kwargs)
+            with _environ(env):
+                llm = LLM(str(model_dir), load_format="dummy", dtype=s["decode_dtype"], device=s["device"],
+                          speculative_config=None, max_model_len=max(512, plen + new + 128),
+                          kv_cache_memory_gb=s["kv_gb"], max_num_seqs=max(conc),
+                          max_num_batched_tokens=max(max(conc) * plen, 512), **kwargs)
         except Exception as e:
             rec.put("decode", mode, {"error": _one_line(e), "traceback": traceback.format_exc()[-1500:]})
             if mode == "graphs" and not fallback_tried:  # the compiled step failed: graphs alone
                 fallback_tried = True
                 modes.append(("graphs_uncompiled", {}, {"SPECSERVE_COMPILE": "0"}))
             continue
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         engine = llm.engine
         runner = engine.runner
         model = runner.model
@@ -990,7 +988,9 @@ def _part_real(s: dict, work: Path, rec: _Recorder) -> None:
     rec.put("real_model", "settings", {"model": model, "model_dir": str(model_dir), "default_method": default_method,
                                        "resolve_s": round(time.time() - t, 1), "concurrency": conc,
                                        "new_tokens": n_tok, "dtypes": s["real_dtypes"]})
-    methods = [("plain", None), ("ngram", {"method": "ngram"}), ("eagle", {"method": "eagle"})]
+    methods = [("plain", None, {}), ("ngram", {"method": "ngram"}, {}), ("eagle", {"method": "eagle"}, {})]
+    if s["device"] == "cuda":  # EAGLE's trees grown on the host beside the default (eagle_grow.py)
+        methods.append(("eagle-host-growth", {"method": "eagle"}, {"SPECSERVE_DRAFT_GROWTH": "host"}))
     from specserve.request import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=n_tok)
@@ -998,12 +998,13 @@ def _part_real(s: dict, work: Path, rec: _Recorder) -> None:
         dtype, options = _variant(variant)
         ref: dict[int, list] = {}
         plain_tps: dict[int, float] = {}
-        for name, spec in methods:
+        for name, spec, env in methods:
             key = f"{variant}.{name}"
             try:
                 t = time.time()
-                llm = LLM(model, dtype=dtype, device=s["device"], speculative_config=spec, **options,
-                          **s["engine_args"])
+                with _environ(env):
+                    llm = LLM(model, dtype=dtype, device=s["device"], speculative_config=spec, **options,
+                              **s["engine_args"])
                 prompts = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": q}])}
                            for q in questions]
                 llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
@@ -1047,6 +1048,19 @@ def _part_real(s: dict, work: Path, rec: _Recorder) -> None:
                 _free()
             except Exception as e:
                 rec.put("real_model", key, {"error": _one_line(e), "traceback": traceback.format_exc()[-1500:]})
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """Environment variables set for the block (an engine reads some as it is built), then
+    restored."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def _phases(llm, prompts: list, params, sync) -> dict:
