@@ -546,7 +546,7 @@ def test_draft_pass_over_head_kv_matches_the_head_over_the_whole_sequence(f32_ke
         pytest.skip("CPU kernels unavailable")
     torch.manual_seed(0)
     head = EagleHead(ModelArch.from_dict(HEAD))
-    draft = DraftPass(head, lambda w, b: draft_linear(w, b, False, f32_kernel))
+    draft = DraftPass(head, lambda w, b: draft_linear(w, b, 0, f32_kernel))
     draft.fused = fused
     t, hidden = 150, TINY["hidden_size"]
     feats, embeds, pos = torch.randn(1, t, hidden), torch.randn(1, t, hidden), torch.arange(t)

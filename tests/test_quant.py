@@ -106,7 +106,7 @@ def test_int8_heads_track_the_float_ones():
                                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2})
     eagle, medusa = EagleHead(arch), MedusaHeads(3, 1, 64, vocab=96)
     x = torch.randn(2, 64)
-    int8 = DraftPass(eagle, lambda w, b: draft_linear(w, b, True, False))
+    int8 = DraftPass(eagle, lambda w, b: draft_linear(w, b, INT8_ALWAYS, False))
     assert isinstance(int8.qkv, Int8Linear)
     with torch.no_grad():
         want = eagle(x[None], x[None], torch.arange(2))[0][0]
@@ -123,7 +123,7 @@ def test_float32_draft_products_through_torch_read_the_weight_transposed(bias):
     of its weight (MKL's faster layout for a few rows) and computes the layer's product."""
     w = torch.randn(48, 80)
     b = torch.randn(48) if bias else None
-    product = draft_linear(w, b, False, False)
+    product = draft_linear(w, b, 0, False)
     weight_t = next(c.cell_contents for c in product.__closure__ if isinstance(c.cell_contents, torch.Tensor)
                     and c.cell_contents.shape == (80, 48))
     assert weight_t.is_contiguous()
@@ -145,7 +145,6 @@ def test_a_draft_product_runs_int8_up_to_its_row_limit(bias):
         assert torch.equal(product(x), (int8 if rows <= 4 else dense)(x))
         assert not torch.equal(int8(x), dense(x))  # (the two differ: the test can tell them apart)
     assert isinstance(draft_linear(w, b, INT8_ALWAYS, False), Int8Linear)
-    assert isinstance(draft_linear(w, b, True, False), Int8Linear)
 
 
 def test_int8_rows_reads_the_measurement(monkeypatch):

@@ -63,6 +63,7 @@ def main() -> None:
     from specserve.request import Request, SamplingParams
     from specserve.spec_decode.draft_tree import ProposeBatch
     from specserve.spec_decode.eagle import EagleProposer
+    from specserve.spec_decode.quant import INT8_ALWAYS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=300, help="committed tokens the head has seen")
@@ -73,7 +74,7 @@ def main() -> None:
     args = p.parse_args()
     runner, kv = default_runner(args.context // 16 + 8)
     heads = {name: EagleProposer(runner.model, num_speculative_tokens=args.m, depth=4, topk=2, quantize=q)
-             for name, q in (("full", False), ("int8", True))}
+             for name, q in (("full", 0), ("int8", INT8_ALWAYS))}
     print(f"{runner.dtype}, {torch.get_num_threads()} threads, context {args.context}")
     full = heads["full"]
     lm_weight = runner.model.lm_head.weight

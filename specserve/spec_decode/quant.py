@@ -23,14 +23,14 @@ INT8_ALWAYS = 1 << 30  # check_quantization's answer for "int8": every product i
 
 def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantize: int, f32_kernel: bool):
     """One product of a draft as drafting runs it, a callable [rows, K] -> [rows, N]: int8 for
-    products of up to `quantize` rows (0 or False: never; True or INT8_ALWAYS: always; see
-    check_quantization), our float32 kernel (f32_kernel: see `f32_kernel_for`) or PyTorch's."""
+    products of up to `quantize` rows (0: never; INT8_ALWAYS: always; see check_quantization),
+    else our float32 kernel (f32_kernel: see `f32_kernel_for`) or PyTorch's."""
     if quantize:
         int8 = Int8Linear(weight, bias)
-        if quantize is True or quantize >= INT8_ALWAYS:
+        if quantize >= INT8_ALWAYS:
             return int8
-        dense, most = draft_linear(weight, bias, 0, f32_kernel), int(quantize)
-        return lambda x: int8(x) if x.shape[0] <= most else dense(x)
+        dense = draft_linear(weight, bias, 0, f32_kernel)
+        return lambda x: int8(x) if x.shape[0] <= quantize else dense(x)
     if f32_kernel:
         from specserve.kernels.cpu.cpu_linear import pack_float32
 
