@@ -218,7 +218,8 @@ def test_a_head_does_not_draft_where_a_trusted_lookup_chain_leaves_it_too_little
     """Beside a lookup chain the head is worth what it adds past the chain's accepted prefix
     (`beyond_lookup`): a request whose chains are accepted almost always skips the head's
     drafting (its gate untouched: no wait, no probe, counted), one whose chains fail drafts as
-    without a chain, and a request without a chain as before."""
+    without a chain, and a request without a chain as before; a gated-off head is still
+    probed beside chains."""
     policy = SpecPolicy(model(lambda r: 0.05 + 0.001 * r), max_depth=8)
     policy.draft_cost.update(1, 0.02)  # drafting costs two fifths of a step
     trusted, failing = policy.new_state(), policy.new_state()
@@ -234,6 +235,9 @@ def test_a_head_does_not_draft_where_a_trusted_lookup_chain_leaves_it_too_little
     assert not any(policy.draft_pays(trusted, 1, 1, 6) for _ in range(3 * PROBE_FIRST))
     assert trusted.gate == gate  # skipped, not gated off: nothing to wait out afterwards
     assert policy.draft_pays(trusted, 1, 1) and policy.draft_pays(failing, 1, 1, 6)
+    trusted.gate.gain = 0.0  # a head gated off is still probed beside chains, after the usual waits
+    runs = [policy.draft_pays(trusted, 1, 1, 6) for _ in range(PROBE_FIRST)]
+    assert runs == [False] * (PROBE_FIRST - 1) + [True] and not trusted.gate.on
 
 
 def test_no_adaptation_drafts_and_verifies_everything():

@@ -132,9 +132,10 @@ class SpecPolicy:
 
     def draft_pays(self, state: RequestState, batch: int, num_drafting: int, chain: int = 0) -> bool:
         """Whether the per-request proposer should draft for this request this step, beside a
-        lookup chain of `chain` tokens: not while what it is expected to add past the chain
-        (`beyond_lookup`) pays for less than its share of drafting and its rows (the gate left as
-        it is: the next step without such a chain asks again); else the request's gate."""
+        lookup chain of `chain` tokens: the request's gate (on while its gain pays for its share
+        of drafting and its rows, else probed after doubling waits), and with the gate on, not
+        while what it is expected to add past the chain (`beyond_lookup`) pays for less (the
+        gate stays on: the next step without such a chain drafts)."""
         g = state.gate
         if not self.adaptive:
             return True
@@ -142,12 +143,10 @@ class SpecPolicy:
         rows = max(1.0, g.rows)
         price = self.cost.row_price(batch, max(1, round(rows * batch)))
         need = self.plain_rate(batch) * (share + rows * price) * (1 + MARGIN)
-        if chain and self.beyond_lookup(state, chain, g.gain) < need:
-            return False
         g.on = g.gain >= need
         if g.on:
             g.idle, g.interval = 0, PROBE_FIRST
-            return True
+            return not chain or self.beyond_lookup(state, chain, g.gain) >= need
         g.idle += 1
         if g.idle >= g.interval:  # probe: its result decides what comes next
             g.idle, g.interval = 0, min(PROBE_MAX, 2 * g.interval)
