@@ -15,14 +15,32 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 
 from specserve.model.step_buffers import Bucket, StepBuffers
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
-WARMUP_RUNS = 2  # forwards before a capture (the first compiles, the second runs as captured)
+WARMUP_RUNS = 2  # runs before a capture (the first compiles, the second runs as captured)
+
+
+def capture_graph(run: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` warmed up WARMUP_RUNS times off the capture stream (as graphs need), then captured
+    into a graph in memory pool `pool` -> (the graph, what the captured run returned: the
+    tensors its replays write)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
 
 
 class CudaGraphs:
@@ -42,18 +60,9 @@ class CudaGraphs:
         """Capture a graph for every bucket; -> the seconds it took (warm-ups included)."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
         for bucket in sorted(buckets, key=lambda b: (b.tokens, b.reqs), reverse=True):
             ids, positions, meta = self.buffers.fill_padding(bucket)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture stream, as graphs need
-                for _ in range(WARMUP_RUNS):
-                    self._run(bucket, ids, positions, meta)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._run(bucket, ids, positions, meta)
-            self.graphs[bucket] = graph
+            self.graphs[bucket], _ = capture_graph(lambda: self._run(bucket, ids, positions, meta), pool)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 

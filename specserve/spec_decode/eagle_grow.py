@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 GROWTH_CHOICES = ("auto", "host", "device", "graphs")
 MIN_CONTEXT = 64  # the smallest context bucket (committed pairs gathered per request)
 GRAPH_BYTES = 256 << 20  # the K/V the captured buckets read (one buffer for all); larger calls run uncaptured
-WARMUP_RUNS = 2  # runs of a bucket before its capture, off the capture stream (as model/cuda_graphs.py)
 
 
 def growth_mode(device: torch.device) -> str:
@@ -241,19 +240,12 @@ class DeviceGrowth:
 
     def _capture_one(self, inputs) -> "_Captured":
         """One bucket's graph over its static inputs (root, keys, values, [pairs; position])."""
+        from specserve.model.cuda_graphs import capture_graph
+
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         root, keys, values, meta = inputs
-        args = (root, keys, values, meta[0], meta[1])
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream, as graphs need
-            for _ in range(WARMUP_RUNS):
-                self.run(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self.run(*args)
+        graph, outputs = capture_graph(lambda: self.run(root, keys, values, meta[0], meta[1]), self._pool)
         return _Captured(graph, inputs, outputs)
 
 
