@@ -206,6 +206,11 @@ class Engine:
         self._finish(req)
         self._aborted.append(req)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache's blocks that no request holds, so that the next prompts
+        prefill from scratch (benchmarks: each run starts cold)."""
+        self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         if self.runner.tp is not None:  # a dead tensor-parallel worker ends the engine (WorkerLost)
             self.runner.tp.check()

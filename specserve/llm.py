@@ -59,6 +59,10 @@ class LLM:
                    for c in conversations]
         return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache (blocks held by running requests stay), as vLLM's LLM does."""
+        self.engine.reset_prefix_cache()
+
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> list[int]:
         if not conversation:

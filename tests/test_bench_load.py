@@ -148,3 +148,30 @@ def test_a_repeated_prompt_never_drafts_from_its_earlier_answer(tiny_model_dir):
     assert set(corpora) == {"t-pass0", "t-pass1"}
     assert len(corpora["t-pass0"].docs) == 3 and len(corpora["t-pass1"].docs) == 2
     assert run.decode_tokens <= run.tokens and run.decode_seconds <= run.seconds
+
+
+def test_with_prefix_caching_each_run_starts_cold(tmp_path, tiny_model_dir):
+    """--prefix-caching: a request reuses what its run computed before it, never what an
+    earlier run (or the warm-up) left in the cache."""
+    from specserve import LLM, SamplingParams
+    from specserve.bench.load import closed_loop
+
+    plain = LLM(str(tiny_model_dir), speculative_config=None, max_model_len=256).engine
+    shared = list(range(3, 40))  # two full blocks of 16 every prompt starts with
+    prompts = [shared + [41, 42], shared + [43], shared + [44, 45, 46]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    hits = []
+    for tag in ("first", "second"):
+        before = plain.stats.prefix_cache_hit_tokens
+        closed_loop(plain, prompts, 1, params, tag)
+        hits.append(plain.stats.prefix_cache_hit_tokens - before)
+    assert hits == [2 * 32, 2 * 32]  # the later prompts of each run hit the first one's blocks
+
+    result = run(parse(["--model", str(tiny_model_dir), "--concurrency", "2", "--max-tokens", "4",
+                        "--max-model-len", "1024", "--split", "heldout", "--workload", "agentic",
+                        "--prefix-caching", "--config", 'suffix={"method": "suffix"}',
+                        "--out", str(tmp_path / "out")]))
+    assert result["options"]["prefix_caching"]
+    row = result["rows"][0]
+    assert row["methods"]["suffix"]["mismatches"] == 0
+    assert row["methods"]["suffix"]["tokens"] == row["methods"]["none"]["tokens"]

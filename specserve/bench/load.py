@@ -11,7 +11,9 @@ max(2c, 8). The request list cycles through the prompts when it is longer than t
 list, so at c = 64 every prompt appears several times. Every method runs the identical list at
 a level: plain decoding ("none", speculative_config=None) and each --config. Greedy, chat
 template applied, prefix caching off so that every run prefills its prompts whatever ran
-before it. One engine per method, all loaded before anything is timed. The methods run side by
+before it; with --prefix-caching on, as the server runs, each run starting from an empty cache
+(a request then reuses what the run's earlier requests computed: an agentic turn the
+conversation before it). One engine per method, all loaded before anything is timed. The methods run side by
 side: one engine step of each in turn, each run timing only its own steps, so that a machine
 whose speed drifts by tens of percent within a minute (shared cloud CPUs do) slows every
 method alike; --sequential runs them one after another instead, in an order rotated from
@@ -86,6 +88,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--workload", choices=["chat_code", "agentic"], default="chat_code",
                         help="single-turn chat and code prompts, or every turn of the agentic "
                              "conversations (edits that repeat earlier context)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="every engine with prefix caching on (the server's default), emptied at the "
+                             "start of each run")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--out", default="bench_out/load", help="directory for JSON and PNG")
@@ -180,6 +185,7 @@ class ClosedLoop:
             seen[key] = self.passes[-1] + 1
         self.seconds = self.decode_seconds = 0.0
         self.decode_tokens = 0
+        engine.reset_prefix_cache()  # (where caching is on) nothing from an earlier run or method's warm-up
         start = time.perf_counter()
         while len(self.index) < min(concurrency, len(prompt_ids)):
             self._submit()
@@ -245,7 +251,7 @@ def load_engines(args: argparse.Namespace, configs: list[tuple[str, dict]]) -> d
     from specserve import LLM
 
     common = {"max_num_seqs": max(args.concurrency), "max_model_len": args.max_model_len,
-              "dtype": args.dtype, "enable_prefix_caching": False,
+              "dtype": args.dtype, "enable_prefix_caching": args.prefix_caching,
               "quantization": args.quantization}
     engines = {"none": LLM(args.model, speculative_config=None, **common)}
     if args.control:
@@ -386,7 +392,8 @@ def print_table(result: dict) -> None:
     methods = list(result["methods"])
     cell = f"{'tok/s':>9}{'speedup':>9}{'decode':>9}{'acc.len':>9}{'mismatch':>10}"
     width = len(cell)
-    print(f"split {result['split']} ({result['num_prompts']} prompts), dtype {result['dtype']}")
+    caching = ", prefix caching on" if result.get("options", {}).get("prefix_caching") else ""
+    print(f"split {result['split']} ({result['num_prompts']} prompts), dtype {result['dtype']}{caching}")
     print(f"{'':>6}" + "".join(f"{m:>{width}}" for m in methods))
     print(f"{'conc':>6}" + cell * len(methods))
     for row in result["rows"]:

@@ -98,6 +98,7 @@ class BlockPool:
         return self._key_of.get(block)
 
     def reset_prefix_cache(self) -> None:
+        """Every evictable block back to the free list, out of the index; held blocks keep their keys."""
         for block in list(self._evictable):
             self._uncache(block)
             self._free.append(block)

@@ -139,6 +139,10 @@ class KVCacheManager:
         return req.num_computed_tokens
 
     # -- prefix cache -------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (held ones stay indexed)."""
+        self.pool.reset_prefix_cache()
+
     def cache_committed_blocks(self, req: Request) -> None:
         """Key and index every full block whose tokens are computed and committed."""
         bs, done = self.block_size, len(req.block_hashes)
