@@ -11,13 +11,13 @@ max(2c, 8). The request list cycles through the prompts when it is longer than t
 list, so at c = 64 every prompt appears several times. Every method runs the identical list at
 a level: plain decoding ("none", speculative_config=None) and each --config. Greedy, chat
 template applied, prefix caching off so that every run prefills its prompts whatever ran
-before it; with --prefix-caching on, as the server runs, each run starting from an empty cache
-(a request then reuses what the run's earlier requests computed: an agentic turn the
-conversation before it). One engine per method, all loaded before anything is timed. The methods run side by
-side: one engine step of each in turn, each run timing only its own steps, so that a machine
-whose speed drifts by tens of percent within a minute (shared cloud CPUs do) slows every
-method alike; --sequential runs them one after another instead, in an order rotated from
-level to level. With --repeats N the median of N runs is reported.
+before it; with --prefix-caching on, as the server runs, each run starting from an empty
+cache (a request then reuses what the run's earlier requests computed: an agentic turn, the
+conversation before it). One engine per method, all loaded before anything is timed. The
+methods run side by side: one engine step of each in turn, each run timing only its own
+steps, so that a machine whose speed drifts by tens of percent within a minute (shared cloud
+CPUs do) slows every method alike; --sequential runs them one after another instead, in an
+order rotated from level to level. With --repeats N the median of N runs is reported.
 
 Per (level, method): throughput (output tokens / seconds of its own steps, prefill included),
 speedup over "none" at the same level, the decode speedup (the same over the steps without a
@@ -185,7 +185,7 @@ class ClosedLoop:
             seen[key] = self.passes[-1] + 1
         self.seconds = self.decode_seconds = 0.0
         self.decode_tokens = 0
-        engine.reset_prefix_cache()  # (where caching is on) nothing from an earlier run or method's warm-up
+        engine.reset_prefix_cache()  # (caching on) nothing left from an earlier run or the warm-up
         start = time.perf_counter()
         while len(self.index) < min(concurrency, len(prompt_ids)):
             self._submit()
