@@ -92,22 +92,22 @@ class DeviceGrowth:
         captured = self._graphs.get((_pow2_at_least(b), _pow2_at_least(longest, MIN_CONTEXT)))
         if captured is not None:
             root, keys, values, meta = captured.inputs
-            self._fill(caches, positions, root, keys, values, meta)
+            self._fill(caches, positions, longest, root, keys, values, meta)
             captured.graph.replay()
             return self._to_host(*captured.outputs, b)
         width = longest + self.entries
         root = torch.zeros(b, self.hidden, dtype=self.dtype, device=self.device)
         keys = torch.zeros(b, width, self.num_kv, self.head_dim, dtype=self.dtype, device=self.device)
         values, meta = torch.zeros_like(keys), torch.zeros(2, b, dtype=torch.int64, device=self.device)
-        self._fill(caches, positions, root, keys, values, meta)
+        self._fill(caches, positions, longest, root, keys, values, meta)
         return self._to_host(*self.run(root, keys, values, meta[0], meta[1]), b)
 
-    def _fill(self, caches, positions, root, keys, values, meta) -> None:
+    def _fill(self, caches, positions, longest: int, root, keys, values, meta) -> None:
         """Write a call's inputs into the (possibly larger, padded) buffers: the roots' outputs,
-        each request's committed K/V at entries 0 .. pairs - 1, context lengths and positions
-        (padding rows: 0 pairs, position 0, a zero root; entries past a request's pairs are
-        left as they are, finite and masked)."""
-        b, longest = len(caches), max(c.pairs for c in caches)
+        each request's committed K/V at entries 0 .. pairs - 1 (longest: the most pairs of any),
+        context lengths and positions (padding rows: 0 pairs, position 0, a zero root; entries
+        past a request's pairs are left as they are, finite and masked)."""
+        b = len(caches)
         root[:b] = torch.stack([c.last_out for c in caches])
         root[b:] = 0
         host = np.zeros((2, meta.shape[1]), np.int64)
