@@ -175,3 +175,39 @@ def test_with_prefix_caching_each_run_starts_cold(tmp_path, tiny_model_dir):
     row = result["rows"][0]
     assert row["methods"]["suffix"]["mismatches"] == 0
     assert row["methods"]["suffix"]["tokens"] == row["methods"]["none"]["tokens"]
+
+
+def test_agentic_turns_are_sent_in_order_with_c_conversations_in_flight(tiny_model_dir):
+    """An agent sends a turn once its conversation's previous turn has finished: the request
+    list cycles through whole conversations, and no turn is sent before the one it follows
+    has finished, while `concurrency` conversations stay in flight."""
+    from specserve import LLM, SamplingParams
+    from specserve.bench.load import ClosedLoop, conversation_list, interleaved
+
+    convs = [[[1, 2], [1, 2, 3], [1, 2, 3, 4]], [[5, 6], [5, 6, 7]]]
+    ids, after = conversation_list(convs, 1, None)  # max(2c, 3) conversations: 3 of them
+    assert ids == convs[0] + convs[1] + convs[0] and after == [None, 0, 1, None, 3, None, 5, 6]
+    ids, after = conversation_list(convs, 2, 6)  # 6 turns: cut in the second pass
+    assert len(ids) == 6 and after == [None, 0, 1, None, 3, None]
+
+    engine = LLM(str(tiny_model_dir), speculative_config=None, max_model_len=256).engine
+    ids, after = conversation_list(convs, 2, None)  # 4 conversations, 10 turns
+    loop = ClosedLoop(engine, ids, 2, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), "t", after)
+    sent, in_flight = {}, []
+    step = loop.step
+
+    def watched():
+        step()
+        in_flight.append(engine.scheduler.num_running + engine.scheduler.num_waiting)
+        for rid, i in loop.index.items():
+            sent.setdefault(i, len(in_flight))  # the step after which request i was in the engine
+
+    loop.step = watched
+    sent.update({i: 0 for i in loop.index.values()})
+    assert sorted(sent) == [0, 3]  # the two conversations' first turns
+    run = interleaved([loop])[0]
+    assert all(o is not None and len(o) == 3 for o in run.outputs)
+    for i, j in enumerate(after):
+        if j is not None:  # sent only after the turn before it finished (it ran at least 3 steps)
+            assert sent[i] >= sent[j] + 3, (i, j, sent)
+    assert max(in_flight) == 2 and in_flight[:-1].count(2) >= len(in_flight) - 4

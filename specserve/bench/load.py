@@ -30,9 +30,13 @@ from an earlier answer to the same prompt (which would make it look far better t
 requests).
 Writes a table to stdout and load.json + load.png into --out.
 
-`--workload agentic` runs instead every turn of specserve/data/agentic.jsonl's conversations
-(code, JSON, tool-call and text edits) as one request each, holding the conversation so far;
-its assistant turns are plain decoding's greedy replies, computed once before the timed runs.
+`--workload agentic` runs instead specserve/data/agentic.jsonl's conversations (code, JSON,
+tool-call and text edits) as an agent sends them: each turn one request holding the
+conversation so far, sent when the conversation's previous turn has finished, so that c is the
+number of conversations in flight (a new one starts when one ends). The assistant turns are
+plain decoding's greedy replies, computed once before the timed runs (every method's are the
+same: speculation is lossless). --requests counts turns; the default is every turn of 2c
+conversations (at least 3), cycling through the conversations.
 
 Not measured: latency (TTFT, inter-token; see `specserve bench serve`), sampled decoding,
 open-loop arrivals, the HTTP server.
@@ -74,7 +78,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
                         help="requests kept in flight, one level each")
     parser.add_argument("--requests", type=int, default=None,
-                        help="requests finished per level (default: max(2 * concurrency, 8))")
+                        help="requests finished per level (default: max(2 * concurrency, 8); agentic: "
+                             "the turns of max(2 * concurrency, 3) conversations)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per method and level; the median throughput is reported")
     parser.add_argument("--sequential", action="store_true",
@@ -127,6 +132,24 @@ def request_list(prompts: list, concurrency: int, requests: int | None) -> list:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
+def conversation_list(turn_ids: list[list[list[int]]], concurrency: int,
+                      requests: int | None) -> tuple[list[list[int]], list[int | None]]:
+    """A level's agentic request list: the turns of max(2c, 3) conversations unless `requests`
+    turns are given, cycling through the conversations (`turn_ids`: each one's turns' prompt
+    ids, in order), and for each request the index of the one it follows (its conversation's
+    previous turn; None for a first turn)."""
+    ids, after = [], []
+    n = requests if requests is not None else sum(
+        len(turn_ids[i % len(turn_ids)]) for i in range(max(2 * concurrency, 3)))
+    conv = 0
+    while len(ids) < n:
+        for turn, prompt in enumerate(turn_ids[conv % len(turn_ids)][:n - len(ids)]):
+            after.append(len(ids) - 1 if turn else None)
+            ids.append(prompt)
+        conv += 1
+    return ids, after
+
+
 def rotated(methods: list[str], level: int) -> list[str]:
     """The run order at the level-th concurrency level: shifted by one per level."""
     k = level % len(methods)
@@ -168,12 +191,18 @@ class Run:
 
 class ClosedLoop:
     """One method's pass over a level's request list, `concurrency` requests in flight (when
-    one finishes the next prompt is added), advanced one engine step at a time. `seconds`
+    one finishes the next prompt is added), advanced one engine step at a time. `after[i]`:
+    the request that must finish before request i is sent (a conversation's previous turn),
+    if any; the next sent is always the first of the list not sent whose turn it is. `seconds`
     counts only this loop's own work, so loops of several engines can alternate step by step
     on one machine and each still measures itself."""
 
-    def __init__(self, engine, prompt_ids: list[list[int]], concurrency: int, params, tag: str) -> None:
+    def __init__(self, engine, prompt_ids: list[list[int]], concurrency: int, params, tag: str,
+                 after: list[int | None] | None = None) -> None:
         self.engine, self.prompt_ids, self.params, self.tag = engine, prompt_ids, params, tag
+        self.concurrency = concurrency
+        self.after = after or [None] * len(prompt_ids)
+        self.in_flight = 0
         s = engine.stats
         self._before = (s.spec_num_drafts, s.spec_num_accepted_tokens, s.num_preemptions)
         self.outputs: list[list[int] | None] = [None] * len(prompt_ids)
@@ -186,13 +215,24 @@ class ClosedLoop:
         self.seconds = self.decode_seconds = 0.0
         self.decode_tokens = 0
         engine.reset_prefix_cache()  # (caching on) nothing left from an earlier run or the warm-up
+        self.waiting = list(range(len(prompt_ids)))  # not sent yet, in list order
         start = time.perf_counter()
-        while len(self.index) < min(concurrency, len(prompt_ids)):
-            self._submit()
+        self._submit()
         self.seconds += time.perf_counter() - start
 
     def _submit(self) -> None:
-        i = len(self.index)
+        """Send the first requests of the list whose turn it is, up to `concurrency` in flight."""
+        j = 0
+        while self.in_flight < self.concurrency and j < len(self.waiting):
+            i = self.waiting[j]
+            if self.after[i] is not None and self.outputs[self.after[i]] is None:
+                j += 1
+                continue
+            del self.waiting[j]
+            self._send(i)
+
+    def _send(self, i: int) -> None:
+        self.in_flight += 1
         self.index[f"{self.tag}-{i}"] = i
         # a tenant per run and pass over the prompts: suffix decoding's corpus holds what other
         # prompts of this run produced, never an earlier answer to the same prompt
@@ -217,9 +257,9 @@ class ClosedLoop:
             self.decode_seconds += elapsed
             self.decode_tokens += s.generation_tokens_total - emitted
         start = time.perf_counter()
-        for _ in finished:
-            if len(self.index) < len(self.prompt_ids):
-                self._submit()
+        if finished:
+            self.in_flight -= len(finished)
+            self._submit()
         self.seconds += elapsed + time.perf_counter() - start
 
     def result(self) -> Run:
@@ -231,9 +271,10 @@ class ClosedLoop:
                    decode_tokens=self.decode_tokens, decode_seconds=self.decode_seconds)
 
 
-def closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, params, tag: str) -> Run:
+def closed_loop(engine, prompt_ids: list[list[int]], concurrency: int, params, tag: str,
+                after: list[int | None] | None = None) -> Run:
     """Keep `concurrency` requests in flight until every prompt has finished."""
-    return interleaved([ClosedLoop(engine, prompt_ids, concurrency, params, tag)])[0]
+    return interleaved([ClosedLoop(engine, prompt_ids, concurrency, params, tag, after)])[0]
 
 
 def interleaved(loops: list[ClosedLoop]) -> list[Run]:
@@ -274,8 +315,9 @@ def encode(llm, rows: list[dict], max_tokens: int, max_model_len: int) -> list[l
     return out
 
 
-def agentic_prompt_ids(llm, split: str, max_tokens: int, max_model_len: int) -> tuple[list[list[int]], dict]:
-    """Every turn of the agentic conversations of `split` as a prompt (the conversation so far),
+def agentic_prompt_ids(llm, split: str, max_tokens: int,
+                       max_model_len: int) -> tuple[list[list[list[int]]], dict]:
+    """Per agentic conversation of `split`, every turn as a prompt (the conversation so far),
     the assistant turns plain decoding's greedy replies (llm: a plain engine); and the count of
     prompts per kind."""
     from specserve import SamplingParams
@@ -285,13 +327,14 @@ def agentic_prompt_ids(llm, split: str, max_tokens: int, max_model_len: int) -> 
     out, kinds = [], {}
     for conv in load_conversations(split):
         messages = [{"role": "system", "content": conv["system"]}] if conv.get("system") else []
+        out.append([])
         for turn in conv["turns"]:
             messages.append({"role": "user", "content": turn})
             ids = llm.apply_chat_template(messages)
             if len(ids) + max_tokens > max_model_len:
                 raise ValueError(f"conversation {conv['id']}: {len(ids)} tokens + --max-tokens "
                                  f"{max_tokens} exceed --max-model-len {max_model_len}")
-            out.append(ids)
+            out[-1].append(ids)
             kinds[conv["kind"]] = kinds.get(conv["kind"], 0) + 1
             reply = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].text
             messages.append({"role": "assistant", "content": reply})
@@ -308,17 +351,20 @@ def warm_up(engines: dict, concurrency: int, params) -> None:
 
 
 def run_level(engines: dict, prompt_ids: list[list[int]], concurrency: int, level: int,
-              repeats: int, params, sequential: bool = False) -> dict[str, list[Run]]:
-    """Every method over the same request list, `repeats` rounds in this level's order: the
-    methods' steps alternating (default), or one method's whole run after another."""
+              repeats: int, params, sequential: bool = False,
+              after: list[int | None] | None = None) -> dict[str, list[Run]]:
+    """Every method over the same request list (`after`: see ClosedLoop), `repeats` rounds in
+    this level's order: the methods' steps alternating (default), or one method's whole run
+    after another."""
     runs: dict[str, list[Run]] = {m: [] for m in engines}
     order = rotated(list(engines), level)
     for rep in range(repeats):
         tags = [(engines[m].engine, f"{m}-c{concurrency}-r{rep}") for m in order]
         if sequential:
-            results = [closed_loop(e, prompt_ids, concurrency, params, tag) for e, tag in tags]
+            results = [closed_loop(e, prompt_ids, concurrency, params, tag, after) for e, tag in tags]
         else:
-            results = interleaved([ClosedLoop(e, prompt_ids, concurrency, params, tag) for e, tag in tags])
+            results = interleaved([ClosedLoop(e, prompt_ids, concurrency, params, tag, after)
+                                   for e, tag in tags])
         for m, r in zip(order, results):
             runs[m].append(r)
             print(f"  c={concurrency:<3} {m:<12} run {rep + 1}/{repeats}: {r.tokens} tokens in "
@@ -358,7 +404,8 @@ def run(args: argparse.Namespace) -> dict:
     engines = load_engines(args, configs)
     first = engines["none"]
     if args.workload == "agentic":
-        prompt_ids, kinds = agentic_prompt_ids(first, args.split, args.max_tokens, args.max_model_len)
+        conversations, kinds = agentic_prompt_ids(first, args.split, args.max_tokens, args.max_model_len)
+        prompt_ids = [ids for turns in conversations for ids in turns]
     else:
         prompt_ids = encode(first, rows, args.max_tokens, args.max_model_len)
         kinds = {k: sum(r["kind"] == k for r in rows) for k in ("chat", "code")}
@@ -366,11 +413,14 @@ def run(args: argparse.Namespace) -> dict:
     warm_up(engines, max(args.concurrency), params)
     table = []
     for level, c in enumerate(args.concurrency):
-        ids = request_list(prompt_ids, c, args.requests)
+        if args.workload == "agentic":  # c conversations in flight, each turn after the one before
+            ids, after = conversation_list(conversations, c, args.requests)
+        else:
+            ids, after = request_list(prompt_ids, c, args.requests), None
         print(f"concurrency {c}: {len(ids)} requests, order {', '.join(rotated(list(engines), level))}",
               flush=True)
         table.append(summarise_level(c, run_level(engines, ids, c, level, args.repeats, params,
-                                                  args.sequential)))
+                                                  args.sequential, after)))
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
               "dtype": str(first.engine.runner.dtype).removeprefix("torch."),
               "quantization": args.quantization,
