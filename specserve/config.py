@@ -57,11 +57,13 @@ class SchedulerConfig:
 DEFAULT_DRAFTS = {"ngram": 8, "suffix": 16, "draft_model": 4, "eagle": 8, "medusa": 64}
 SPEC_METHODS = tuple(DEFAULT_DRAFTS)  # ngram, suffix, draft_model, eagle, medusa
 # keys of our own, beside vLLM's, and the methods they apply to: "adaptive" (bool, all),
-# "lookup_branch" (int >= 0), "min_draft_prob" (0 <= p < 1: a fixed cut instead of the cost
-# model's), "medusa_tree"; suffix decoding's "max_match" (the longest suffix looked up, int >=
-# prompt_lookup_min), "corpus_tokens" (finished outputs kept per tenant, int >= 0) and
-# "shared_corpus" (bool: every tenant drafts from every output); vLLM's "quantization" names
-# the draft head's weights ("auto" | "int8" | "none")
+# "fairness" (0 <= f < 1, all: how far behind plain decoding's pace a request may fall over
+# its life so that others' drafts are verified; spec_decode/policy.py), "lookup_branch" (int
+# >= 0), "min_draft_prob" (0 <= p < 1: a fixed cut instead of the cost model's), "medusa_tree";
+# suffix decoding's "max_match" (the longest suffix looked up, int >= prompt_lookup_min),
+# "corpus_tokens" (finished outputs kept per tenant, int >= 0) and "shared_corpus" (bool:
+# every tenant drafts from every output); vLLM's "quantization" names the draft head's
+# weights ("auto" | "int8" | "none")
 SPEC_KEY_METHODS = {"lookup_branch": ("eagle", "medusa"), "min_draft_prob": ("eagle",),
                     "medusa_tree": ("medusa",), "quantization": ("eagle", "medusa"),
                     "lookup": ("eagle", "medusa"), "max_match": ("suffix", "eagle", "medusa"),
@@ -132,9 +134,10 @@ class SpecConfig:
         if not _int_at_least(self.extra.get("lookup_branch", 0), 0):
             raise ValueError("speculative_config.lookup_branch: must be an integer >= 0, "
                              f"got {self.extra['lookup_branch']!r}")
-        p = self.extra.get("min_draft_prob", 0.0)
-        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p < 1:
-            raise ValueError(f"speculative_config.min_draft_prob: must be a number in [0, 1), got {p!r}")
+        for key in ("min_draft_prob", "fairness"):
+            p = self.extra.get(key, 0.0)
+            if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p < 1:
+                raise ValueError(f"speculative_config.{key}: must be a number in [0, 1), got {p!r}")
         if self.extra.get("quantization", "auto") not in ("auto", "int8", "none"):
             raise ValueError("speculative_config.quantization: expected one of auto, int8, none, "
                              f"got {self.extra['quantization']!r}")
@@ -153,7 +156,7 @@ class SpecConfig:
         if self.extra.get("lookup", "ngram") not in ("ngram", "suffix"):
             raise ValueError("speculative_config.lookup: expected ngram or suffix, got "
                              f"{self.extra['lookup']!r}")
-        unknown = sorted(set(self.extra) - set(SPEC_KEY_METHODS) - {"adaptive"})
+        unknown = sorted(set(self.extra) - set(SPEC_KEY_METHODS) - {"adaptive", "fairness"})
         if unknown:  # vLLM has many more keys; accept them so configs carry over
             logger.warning("speculative_config: ignoring keys %s", ", ".join(unknown))
 

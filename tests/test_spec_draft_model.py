@@ -101,7 +101,7 @@ def test_sampled_seeded_is_reproducible(make_llm, tiny_pair):
 
 # -- configuration ------------------------------------------------------------------------------
 
-def test_config_errors(make_llm, tiny_pair, tmp_path, default_model_dir):
+def test_config_errors(make_llm, tiny_pair, tmp_path, default_model_dir, caplog):
     target, _ = tiny_pair
     small_vocab = write_tiny_model(tmp_path / "v16", default_model_dir, vocab_size=16)
     cases = [
@@ -117,6 +117,8 @@ def test_config_errors(make_llm, tiny_pair, tmp_path, default_model_dir):
         ({"method": "eagle", "min_draft_prob": 1.0}, r"min_draft_prob: must be a number in \[0, 1\)"),
         ({"method": "eagle", "min_draft_prob": "0.1"}, "min_draft_prob: must be a number"),
         ({"method": "medusa", "min_draft_prob": 0.1}, "min_draft_prob: applies to method eagle, not 'medusa'"),
+        ({"method": "suffix", "fairness": 1.0}, r"fairness: must be a number in \[0, 1\)"),
+        ({"method": "ngram", "fairness": True}, "fairness: must be a number"),
         ({"method": "ngram", "lookup_branch": 2}, "lookup_branch: applies to method eagle or medusa"),
         ({"method": "ngram", "quantization": "int8"}, "quantization: applies to method eagle or medusa"),
     ]
@@ -128,3 +130,6 @@ def test_config_errors(make_llm, tiny_pair, tmp_path, default_model_dir):
                 EngineConfig.create("no-such-model", speculative_config=config)
     llm = make_llm(str(target), num_blocks=16, speculative_config='{"model": "%s"}' % target)
     assert llm.engine.spec.proposer.name == "draft_model"  # a model alone implies draft_model
+    caplog.clear()
+    llm = make_llm(str(target), num_blocks=16, speculative_config={"method": "ngram", "fairness": 0.3})
+    assert llm.engine.spec.policy.fairness == 0.3 and "ignoring keys" not in caplog.text

@@ -134,6 +134,22 @@ def test_a_request_ahead_of_plain_decoding_may_give_some_of_its_lead_back():
     assert state.ahead == pytest.approx(20 * FAIRNESS)
 
 
+def test_a_larger_fairness_budget_lets_good_drafts_slow_the_others_that_much():
+    """speculative_config "fairness": the batch the default refuses (two excellent drafts
+    slowing fourteen poor ones by 13%) is verified with a budget of 20%, never past it, and a
+    plain step adds the budget to a request's lead."""
+    f = lambda r: 0.01 * r  # noqa: E731
+    policy = calibrated(SpecPolicy(model(f, per_request=0.02), max_depth=16, fairness=0.2))
+    trees = [chain_tree(4, 0.95)] * 2 + [chain_tree(4, 0.3)] * 14
+    keep = select(policy, 16, trees)
+    assert keep[0] and keep[1]
+    slowdown = policy.slowdown(16, 16 + sum(map(len, keep)))
+    assert 1 / (1 - FAIRNESS) < slowdown <= 1 / (1 - 0.2)
+    state = policy.new_state()
+    policy.advance(state, 1, 1.0)
+    assert state.ahead == pytest.approx(0.2)
+
+
 def test_probes_stay_within_the_others_slow_down_budget():
     """A request that has not verified for long gets its best node verified anyway, but at 16
     requests only as many such rows as slow the step by FAIRNESS; alone, it always probes."""

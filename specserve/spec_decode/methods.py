@@ -16,7 +16,7 @@ from dataclasses import replace
 from specserve.config import DEFAULT_DRAFTS, DEFAULT_MODEL, SpecConfig
 from specserve.spec_decode.cost_model import StepCostModel
 from specserve.spec_decode.ngram import NgramProposer
-from specserve.spec_decode.policy import SpecPolicy
+from specserve.spec_decode.policy import FAIRNESS, SpecPolicy
 
 LOOKUP_BRANCH = 4  # default lookup chain grafted onto trees; chains of up to 4x this are drafted
 
@@ -97,7 +97,8 @@ def make_decoder(config: SpecConfig, runner, kv, stats, model_config, max_model_
     adaptive = config.extra.get("adaptive", True)
     max_drafts = (k if proposer is not None else 0) + chain
     cost = StepCostModel.measure(runner, kv, min(scheduler_config.max_num_batched_tokens, 64)) if adaptive else None
-    policy = SpecPolicy(cost, max(chain, k, 1), adaptive, config.extra.get("min_draft_prob"))
+    policy = SpecPolicy(cost, max(chain, k, 1), adaptive, config.extra.get("min_draft_prob"),
+                        config.extra.get("fairness", FAIRNESS))
     return SpecDecoder(runner, kv, stats, max_model_len, scheduler_config.max_num_batched_tokens,
                        proposer, lookup, policy, max_drafts)
 

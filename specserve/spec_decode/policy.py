@@ -8,8 +8,8 @@ nodes emits B + (their expected accepted count) in t(B, B + n). Invariants:
     and from `Rates` by depth for lookup nodes; a child is never worth more than its parent, so
     the most valuable nodes always form trees;
   * `select` verifies the count of best nodes that maximises the step's rate, none unless that
-    beats plain by `MARGIN`, and no request advances slower than in a plain step (`FAIRNESS`)
-    beyond the lead over plain decoding it gained before (`RequestState.ahead`, `AHEAD_MAX`);
+    beats plain by `MARGIN`, and no request advances slower than in a plain step (`FAIRNESS`,
+    the config's "fairness") beyond the lead over plain decoding it gained before (`RequestState.ahead`, `AHEAD_MAX`);
   * `draft_pays`: a proposer with a cost per request drafts for it only while its expected
     accepted tokens pay for its share of drafting and its rows, else after doubling waits;
   * `min_score`: nodes that cannot pay the cheapest row are neither expanded nor returned.
@@ -30,6 +30,7 @@ from specserve.spec_decode.draft_tree import DraftTree
 MARGIN = 0.10  # speculate only when the predicted step rate beats plain by this much (the
 # prediction errs by about this much under load: contexts drift, acceptance is an estimate)
 FAIRNESS = 0.05  # how much slower than in a plain step a request may advance in a step with drafts
+# (the default of speculative_config "fairness": a budget over each request's life, see advance)
 AHEAD_MAX = 8.0  # tokens of its lead over plain decoding a request may give back to others' drafts
 PROBE_FIRST, PROBE_MAX = 8, 128  # steps between probes of a gated-off request (doubling)
 SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0001])
@@ -103,8 +104,9 @@ class RequestState:
 
 class SpecPolicy:
     def __init__(self, cost: StepCostModel | None, max_depth: int, adaptive: bool = True,
-                 min_draft_prob: float | None = None) -> None:
+                 min_draft_prob: float | None = None, fairness: float = FAIRNESS) -> None:
         self.cost = cost
+        self.fairness = fairness
         self.adaptive = adaptive and cost is not None
         self.min_draft_prob = min_draft_prob  # the user's fixed cut instead of the cost model's
         self.max_depth = max_depth
@@ -196,11 +198,11 @@ class SpecPolicy:
         ahead = np.zeros(len(trees)) if ahead is None else np.asarray(ahead, dtype=np.float64)
         idle = 1.0 + idle_ahead if len(trees) < batch else math.inf  # what the idle ones allow
         plain = self.cost.step_time(batch, batch)
-        limit, rows = plain / (1 - FAIRNESS), 0  # what probes may bring the step to
+        limit, rows = plain / (1 - self.fairness), 0  # what probes may bring the step to
         beat = batch / plain * (1 + MARGIN)  # the rate a selection must exceed
         nodes = []
         # a request without drafts advances one token either way: the step may cost no more
-        # than a plain one, FAIRNESS and its lead aside (see _worst_served)
+        # than a plain one, the fairness budget and its lead aside (see _worst_served)
         if self._may_pay(batch, values, max_rows, beat, limit * idle):
             nodes = sorted((-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
                            for i, d in enumerate(t.depth))[:max(0, max_rows - batch)]
@@ -210,7 +212,7 @@ class SpecPolicy:
             times = self.cost.step_times(batch, n_rows)
             rates = gained / times
             worst = np.minimum(self._worst_served(nodes, ahead), idle)
-            rates[worst < times / plain * (1 - FAIRNESS)] = 0.0
+            rates[worst < times / plain * (1 - self.fairness)] = 0.0
             best = int(np.argmax(rates))
             if rates[best] > beat:
                 for _, _, b, i in nodes[:best + 1]:
@@ -256,14 +258,13 @@ class SpecPolicy:
         """A step of `batch` requests verifying `rows` rows in plain steps of that batch."""
         return self.cost.step_time(batch, rows) / self.cost.step_time(batch, batch) if rows > batch else 1.0
 
-    @staticmethod
-    def advance(state: RequestState, emitted: int, slowdown: float) -> None:
+    def advance(self, state: RequestState, emitted: int, slowdown: float) -> None:
         """A verified step: `emitted` tokens in `slowdown` plain steps' time (the step's
-        prediction), into the request's lead over (1 - FAIRNESS) x plain decoding's pace: a
-        plain step adds FAIRNESS, so the 5% a request may be slowed by is a budget over its
-        life rather than a cap on every step. A request that fell behind starts again from
+        prediction), into the request's lead over (1 - fairness) x plain decoding's pace: a
+        plain step adds `fairness`, so the 5% (by default) a request may be slowed by is a
+        budget over its life rather than a cap on every step. A request that fell behind starts again from
         none (it is then served as every request is in its first step)."""
-        state.ahead = min(AHEAD_MAX, max(0.0, state.ahead + emitted - (1 - FAIRNESS) * slowdown))
+        state.ahead = min(AHEAD_MAX, max(0.0, state.ahead + emitted - (1 - self.fairness) * slowdown))
 
     # -- learning --------------------------------------------------------------------------------
     def refused(self, state: RequestState, batch: int) -> None:
