@@ -9,7 +9,8 @@ nodes emits B + (their expected accepted count) in t(B, B + n). Invariants:
     the most valuable nodes always form trees;
   * `select` verifies the count of best nodes that maximises the step's rate, none unless that
     beats plain by `MARGIN`, and no request advances slower than in a plain step (`FAIRNESS`,
-    the config's "fairness") beyond the lead over plain decoding it gained before (`RequestState.ahead`, `AHEAD_MAX`);
+    the config's "fairness") beyond the lead over plain decoding it gained before
+    (`RequestState.ahead`, `AHEAD_MAX`);
   * `draft_pays`: a proposer with a cost per request drafts for it only while its expected
     accepted tokens pay for its share of drafting and its rows, else after doubling waits;
   * `min_score`: nodes that cannot pay the cheapest row are neither expanded nor returned.
