@@ -185,8 +185,10 @@ def test_agentic_turns_are_sent_in_order_with_c_conversations_in_flight(tiny_mod
     from specserve.bench.load import ClosedLoop, conversation_list, interleaved
 
     convs = [[[1, 2], [1, 2, 3], [1, 2, 3, 4]], [[5, 6], [5, 6, 7]]]
-    ids, after = conversation_list(convs, 1, None)  # max(2c, 3) conversations: 3 of them
-    assert ids == convs[0] + convs[1] + convs[0] and after == [None, 0, 1, None, 3, None, 5, 6]
+    ids, after = conversation_list(convs, 1, None)  # max(2c, all) conversations: both
+    assert ids == convs[0] + convs[1] and after == [None, 0, 1, None, 3]
+    ids, after = conversation_list(convs, 2, None)  # 2c = 4 of them, cycling
+    assert ids == (convs[0] + convs[1]) * 2 and after == [None, 0, 1, None, 3] + [None, 5, 6, None, 8]
     ids, after = conversation_list(convs, 2, 6)  # 6 turns: cut in the second pass
     assert len(ids) == 6 and after == [None, 0, 1, None, 3, None]
 

@@ -36,7 +36,7 @@ conversation so far, sent when the conversation's previous turn has finished, so
 number of conversations in flight (a new one starts when one ends). The assistant turns are
 plain decoding's greedy replies, computed once before the timed runs (every method's are the
 same: speculation is lossless). --requests counts turns; the default is every turn of 2c
-conversations (at least 3), cycling through the conversations.
+conversations, or of every conversation once where that is more, cycling through them.
 
 Not measured: latency (TTFT, inter-token; see `specserve bench serve`), sampled decoding,
 open-loop arrivals, the HTTP server.
@@ -79,7 +79,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="requests kept in flight, one level each")
     parser.add_argument("--requests", type=int, default=None,
                         help="requests finished per level (default: max(2 * concurrency, 8); agentic: "
-                             "the turns of max(2 * concurrency, 3) conversations)")
+                             "the turns of max(2 * concurrency, all) conversations)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per method and level; the median throughput is reported")
     parser.add_argument("--sequential", action="store_true",
@@ -134,13 +134,13 @@ def request_list(prompts: list, concurrency: int, requests: int | None) -> list:
 
 def conversation_list(turn_ids: list[list[list[int]]], concurrency: int,
                       requests: int | None) -> tuple[list[list[int]], list[int | None]]:
-    """A level's agentic request list: the turns of max(2c, 3) conversations unless `requests`
-    turns are given, cycling through the conversations (`turn_ids`: each one's turns' prompt
+    """A level's agentic request list: the turns of max(2c, all of them) conversations unless
+    `requests` turns are given, cycling through the conversations (`turn_ids`: each one's turns' prompt
     ids, in order), and for each request the index of the one it follows (its conversation's
     previous turn; None for a first turn)."""
     ids, after = [], []
     n = requests if requests is not None else sum(
-        len(turn_ids[i % len(turn_ids)]) for i in range(max(2 * concurrency, 3)))
+        len(turn_ids[i % len(turn_ids)]) for i in range(max(2 * concurrency, len(turn_ids))))
     conv = 0
     while len(ids) < n:
         for turn, prompt in enumerate(turn_ids[conv % len(turn_ids)][:n - len(ids)]):
