@@ -69,6 +69,7 @@ SPEC_KEY_METHODS = {"lookup_branch": ("eagle", "medusa"), "min_draft_prob": ("ea
                     "lookup": ("eagle", "medusa"), "max_match": ("suffix", "eagle", "medusa"),
                     "corpus_tokens": ("suffix", "eagle", "medusa"),
                     "shared_corpus": ("suffix", "eagle", "medusa")}
+SPEC_KEYS_ALL_METHODS = ("adaptive", "fairness")  # our keys every method reads
 
 
 def _int_at_least(value, low: int) -> bool:
@@ -156,7 +157,7 @@ class SpecConfig:
         if self.extra.get("lookup", "ngram") not in ("ngram", "suffix"):
             raise ValueError("speculative_config.lookup: expected ngram or suffix, got "
                              f"{self.extra['lookup']!r}")
-        unknown = sorted(set(self.extra) - set(SPEC_KEY_METHODS) - {"adaptive", "fairness"})
+        unknown = sorted(set(self.extra) - set(SPEC_KEY_METHODS) - set(SPEC_KEYS_ALL_METHODS))
         if unknown:  # vLLM has many more keys; accept them so configs carry over
             logger.warning("speculative_config: ignoring keys %s", ", ".join(unknown))
 
