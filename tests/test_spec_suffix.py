@@ -35,6 +35,26 @@ def test_the_longest_suffix_continues_and_loops_continue_over_their_copy():
     assert draft([4, 5, 6]) is None
 
 
+def test_the_index_finds_the_longest_earlier_suffix_and_all_its_occurrences():
+    """SuffixIndex.matches against a search of every earlier position, on contexts grown in
+    two syncs (a prompt, then output) with few symbols, so that matches are many and long."""
+    rng = random.Random(2)
+    for _ in range(300):
+        tokens = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(2, 120))]
+        max_n = rng.choice([1, 4, 12])
+        index = SuffixIndex(1, max_n)
+        index.sync(tokens[:rng.randrange(1, len(tokens) + 1)])
+        index.sync(tokens)
+        expect = (0, [])
+        for n in range(min(max_n, len(tokens) - 1), 0, -1):
+            after = [p for p in range(len(tokens) - 1, n - 1, -1) if tokens[p - n:p] == tokens[-n:]]
+            if after:
+                expect = (n, after)
+                break
+        m, positions = index.matches(tokens)
+        assert (m, positions.tolist()) == expect, tokens
+
+
 def test_frequent_continuations_come_first_and_longer_matches_draft_more():
     # after "5" came "6" twice and "8" once: two nodes for a one-token match
     tree = check_tree(draft([5, 6, 1, 5, 6, 2, 5, 8, 3, 5], k=8))

@@ -27,6 +27,8 @@ import heapq
 import math
 from collections import OrderedDict, deque
 
+import numpy as np
+
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 
 MAX_OCCURRENCES = 16  # most recent occurrences of an n-gram whose continuations are merged
@@ -41,31 +43,51 @@ def _key(tokens: list[int], end: int, n: int) -> int:
 
 
 class SuffixIndex:
-    """Where each n-gram (min_n <= n <= max_n) of one token sequence occurs: the positions of
-    the tokens that followed it, oldest first, at most MAX_OCCURRENCES kept per n-gram."""
+    """One request's committed tokens, searched for a suffix's earlier occurrences by comparing
+    arrays: nothing to build per token (a dictionary of every n-gram cost 9 ms per 1,000 tokens
+    of prompt, on the engine's thread), a search a few vector passes over the context."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        self.after: dict[int, deque[int]] = {}
-        self.size = 0  # tokens indexed
+        # the tokens from offset max_n on, after max_n of -1 that match no token: a comparison
+        # reaching back past the first token needs no bounds check
+        self.buf = np.full(max_n + 256, -1, dtype=np.int64)
+        self.size = 0  # tokens held
 
     def sync(self, tokens: list[int]) -> None:
-        """Index the tokens appended since the last call (committed tokens only grow)."""
-        if len(tokens) < self.size:  # never for committed tokens; rebuild to stay safe
-            self.after.clear()
+        """Take the tokens appended since the last call (committed tokens only grow)."""
+        if len(tokens) < self.size:  # never for committed tokens; start again to stay safe
             self.size = 0
-        after, lo, hi = self.after, self.min_n, self.max_n
-        for p in range(max(1, self.size), len(tokens)):
-            for n in range(lo, min(hi, p) + 1):
-                at = after.get(k := _key(tokens, p, n))
-                if at is None:
-                    after[k] = deque([p], MAX_OCCURRENCES)
-                else:
-                    at.append(p)
-        self.size = len(tokens)
+        pad = self.max_n
+        if pad + len(tokens) > len(self.buf):
+            grown = np.full(pad + max(len(tokens), 2 * (len(self.buf) - pad)), -1, dtype=np.int64)
+            grown[:pad + self.size] = self.buf[:pad + self.size]
+            self.buf = grown
+        if len(tokens) > self.size:
+            self.buf[pad + self.size:pad + len(tokens)] = tokens[self.size:]
+            self.size = len(tokens)
 
-    def positions(self, key: int) -> deque[int] | None:
-        return self.after.get(key)
+    def matches(self, tokens: list[int]) -> tuple[int, np.ndarray]:
+        """(m, positions): the longest suffix of `tokens` (at most max_n tokens) that occurred
+        earlier in the held tokens, and the positions of the tokens that followed its
+        occurrences, most recent first; (0, []) when not even its last token did."""
+        held = min(self.size, len(tokens))
+        cap = min(self.max_n, len(tokens) - 1)
+        if cap < 1 or held < 2:
+            return 0, _NONE
+        pad, buf = self.max_n, self.buf
+        # p: the positions after an occurrence of the last token (p - 1 < held - 1)
+        after = np.flatnonzero(buf[pad:pad + held - 1] == tokens[-1]) + 1
+        if not len(after):
+            return 0, _NONE
+        back = (after + (pad - 1))[:, None] - np.arange(cap)  # [occurrence, i]: the token i before
+        same = buf[back] == np.array(tokens[-1:-cap - 1:-1], dtype=np.int64)
+        length = np.cumprod(same, axis=1).sum(axis=1)
+        m = int(length.max())
+        return m, after[length >= m][::-1]
+
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 class SuffixCorpus:
@@ -218,12 +240,11 @@ class SuffixProposer:
                ) -> tuple[list[tuple[list[int], int]], int]:
         """(sequence, position) of the continuations of the longest suffix of `tokens` found in
         the request's own text or its tenant's corpus, most recent first; and its length."""
-        length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            key = _key(tokens, length, n)
-            own = index.positions(key)
-            found = [(tokens, p) for p in reversed(own) if p < length] if own else []
-            found += corpus.occurrences(key)[::-1]
+        own, positions = index.matches(tokens)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            found = corpus.occurrences(_key(tokens, len(tokens), n))[::-1] if corpus.after else []
+            if n <= own:
+                found = [(tokens, p) for p in positions[:MAX_OCCURRENCES].tolist()] + found
             if found:
                 return found[:2 * MAX_OCCURRENCES], n
         return [], 0
