@@ -16,7 +16,7 @@ from specserve.kv_cache.manager import KVCacheManager
 from specserve.model.arch import ModelArch
 from specserve.model.runner import ModelRunner
 from specserve.request import Request, SamplingParams
-from specserve.spec_decode.cost_model import Curve
+from specserve.spec_decode.cost_model import LOOKUP_ONLY, PLAIN, SPEC, Curve
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch
 from specserve.spec_decode.eagle import DEFAULT_EAGLE_DIR, EagleProposer
 from specserve.kernels.cpu import cpu_linear, layer_ops
@@ -406,6 +406,25 @@ def test_lookup_chains_alone_keep_greedy_output(tmp_path):
     spec.proposer.propose = lambda batch: pytest.fail("a paused head drafted")
     assert greedy_ids(llm, prompts) == ref
     assert llm.engine.stats.spec_num_drafts > 0
+
+
+def test_a_head_measured_slower_falls_back_to_its_lookup_chains(tmp_path):
+    """Where the gate measured steps with the head slower than plain (Realized), the next steps
+    draft the lookup chains alone (LOOKUP_ONLY: no head pass) and are timed as their own kind;
+    the output is plain greedy's."""
+    prompts = [{"prompt_token_ids": [5, 9, 17, 33, 5, 9, 17, 33, 5, 9, 17]}, {"prompt_token_ids": [7, 7, 7, 7]}]
+    ref = greedy_ids(tiny_llm(tmp_path), prompts)
+    llm = tiny_llm(tmp_path, {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")),
+                              "lookup_branch": 5})
+    spec, kinds = llm.engine.spec, []
+    assert spec._fallback
+    spec.policy.realized.speculate = lambda batch, fallback=False: LOOKUP_ONLY if fallback else PLAIN
+    observe = spec.policy.realized.observe
+    spec.policy.realized.observe = lambda b, kind, *a: (kinds.append(kind), observe(b, kind, *a))
+    spec.policy.select = lambda batch, trees, *a, **k: [list(range(len(t))) for t in trees]  # verify all
+    spec.proposer.propose = lambda batch: pytest.fail("the head drafted in a lookup-only step")
+    assert greedy_ids(llm, prompts) == ref
+    assert llm.engine.stats.spec_num_drafts > 0 and LOOKUP_ONLY in kinds and SPEC not in kinds
 
 
 def test_tree_config_keys_reach_the_proposer(tmp_path):

@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from specserve.spec_decode.cost_model import (MIN_SAMPLES, PLAIN_SAMPLE_EVERY, PROBE_AFTER, PROBE_RUN, Curve,
+from specserve.spec_decode.cost_model import (LOOKUP_ONLY, MIN_SAMPLES, PLAIN, PLAIN_SAMPLE_EVERY, PROBE_AFTER,
+                                              PROBE_RUN, SPEC, Curve,
                                               PROBE_BUDGET, Realized, StepCostModel)
 from specserve.spec_decode.draft_tree import DraftTree
 from specserve.spec_decode.policy import AHEAD_MAX, FAIRNESS, PROBE_FIRST, ScoreCalibration, SpecPolicy
@@ -364,6 +365,32 @@ def test_probes_of_a_far_slower_speculation_cost_about_their_budget(monkeypatch)
     monkeypatch.setattr(Realized, "_affordable", staticmethod(lambda ratio: 0))  # the doubling alone
     assert near == run_realized(Realized(), 16, 1000, spec_cost=1.1)
     assert sum(run_realized(Realized(), 16, steps, spec_cost=2.7)[off:]) > 3 * sum(modes[off:])
+
+
+def run_kinds(gate: Realized, steps: int, cost: dict[int, float], fallback: bool = True) -> list[int]:
+    """Drive the gate at batch 1 with steps of each kind at cost[kind] seconds per token
+    (relative to plain's 1 s), no kind re-warming anything."""
+    kinds = []
+    for _ in range(steps):
+        kind = gate.speculate(1, fallback)
+        kinds.append(kind)
+        gate.observe(1, kind, cost[kind] if kind else 1.0, 1, 1.0)
+    return kinds
+
+
+def test_a_losing_proposer_falls_back_to_lookup_chains_judged_apart():
+    """Steps with the per-request proposer 20% slower than plain, with lookup chains alone 20%
+    faster: after SPEC's verdict the gate runs LOOKUP_ONLY steps (SPEC probed at its doubling
+    schedule), never plain but its samples; with no fallback (ngram, suffix) it runs plain
+    steps. Lookup chains slower too: plain but for both kinds' probes."""
+    kinds = run_kinds(Realized(), 600, {SPEC: 1.2, LOOKUP_ONLY: 0.8})
+    off = kinds.index(LOOKUP_ONLY)
+    assert kinds[:off] == [PLAIN] + [SPEC] * MIN_SAMPLES
+    assert kinds[off:].count(SPEC) <= 5 * PROBE_RUN and kinds[off:].count(PLAIN) <= 1 + 600 // PLAIN_SAMPLE_EVERY
+    assert LOOKUP_ONLY not in run_kinds(Realized(), 600, {SPEC: 1.2, LOOKUP_ONLY: 0.8}, fallback=False)
+    both = run_kinds(Realized(), 600, {SPEC: 1.2, LOOKUP_ONLY: 1.2})
+    assert both[off:].count(PLAIN) >= 600 - off - MIN_SAMPLES - 2 * 5 * PROBE_RUN  # probes of each kind
+    assert both[off:off + MIN_SAMPLES] == [LOOKUP_ONLY] * MIN_SAMPLES  # judged on its own samples
 
 
 def test_speculation_judged_on_tokens_over_time_not_on_per_step_ratios():

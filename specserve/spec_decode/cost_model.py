@@ -7,8 +7,9 @@ when R > B], rows(R) measured at engine start and refined by live steps of one r
 plain(B) measured at start and by live plain steps, extra(B) the slope of live steps' time
 over their draft rows (a regression, so that a drift of the whole step is not charged to
 rows). A step with drafts is always predicted against the plain step of its own B.
-`Realized` checks the model's decisions against the wall clock, per batch-size bucket, and
-switches speculation off where it measures slower (probing again at doubling intervals).
+`Realized` checks the model's decisions against the wall clock, per batch-size bucket and kind
+of step (with the per-request proposer, or a tree method's lookup chains alone), and switches
+a kind off where it measures slower (probing again at doubling intervals).
 `Curve` is the table behind both and behind drafting costs. No number here is a constant true
 of one CPU: every one comes from a measurement.
 """
@@ -221,85 +222,112 @@ class _Off:
     run: int = 0  # probe steps still to go
 
 
+PLAIN, SPEC, LOOKUP_ONLY = 0, 1, 2  # a step's kind (Realized's arms): no drafts; every proposer's
+# drafts; only the lookup chains (a tree method whose per-request proposer measured slower)
+
+
 class Realized:
     """Whether steps with speculation are faster than plain steps, as measured end to end. A
     bucket's speculative rate is a ratio of decayed sums (seconds relative to the model's plain
     step time, over tokens): a mean of per-step ratios would count a one-token step in full.
-    The sums decay at every step of the bucket, so a probe run outweighs an old verdict."""
+    The sums decay at every step of the bucket, so a probe run outweighs an old verdict.
+
+    Two kinds of speculative step are judged apart: SPEC (every proposer) and LOOKUP_ONLY (the
+    lookup chains of a tree method without its per-request proposer, e.g. EAGLE's head). Where
+    SPEC measures slower, a decoder that has both falls back to LOOKUP_ONLY rather than to
+    plain steps (prompt lookup costs no model time, and pays on text the head does not suit),
+    and to plain steps where that measures slower too; each kind keeps its own verdict and
+    probes."""
 
     def __init__(self, margin: float = 0.02, decay: float = 0.95) -> None:
         self.margin = margin  # speculation must beat plain by this much to stay on
         self.decay = decay
         self.plain: dict[int, float] = {}  # bucket -> EMA of relative seconds per token, plain steps
-        self.spec: dict[int, list[float]] = {}  # bucket -> decayed sums [relative seconds, tokens per request]
-        self.count: dict[tuple[int, bool], int] = {}
-        self.off: dict[int, _Off] = {}
+        # (bucket, kind) -> decayed sums [relative seconds, tokens per request]
+        self.spec: dict[tuple[int, int], list[float]] = {}
+        self.count: dict[tuple[int, int], int] = {}  # (bucket, kind) -> steps observed
+        self.off: dict[tuple[int, int], _Off] = {}
         self.since_plain: dict[int, int] = {}
 
     @staticmethod
     def bucket(batch: int) -> int:
         return batch if batch <= 4 else 100 + round(2 * math.log2(batch))  # (a numpy scalar costs more)
 
-    def observe(self, batch: int, speculated: bool, seconds: float, tokens: int, plain_time: float) -> None:
-        """A whole decode step of `batch` requests emitting `tokens`; plain_time: the model's
-        prediction of a plain step of that batch."""
-        b = self.bucket(batch)
-        n = self.count[(b, speculated)] = self.count.get((b, speculated), 0) + 1
-        sums = self.spec.setdefault(b, [0.0, 0.0])
-        sums[0] *= self.decay
-        sums[1] *= self.decay
-        if speculated:
+    def observe(self, batch: int, kind: int, seconds: float, tokens: int, plain_time: float) -> None:
+        """A whole decode step of `batch` requests of `kind` (PLAIN, SPEC, LOOKUP_ONLY; a bool:
+        SPEC or PLAIN) emitting `tokens`; plain_time: the model's prediction of a plain step of
+        that batch."""
+        b, kind = self.bucket(batch), int(kind)
+        n = self.count[(b, kind)] = self.count.get((b, kind), 0) + 1
+        for arm in (SPEC, LOOKUP_ONLY):
+            sums = self.spec.get((b, arm))
+            if sums is not None:
+                sums[0] *= self.decay
+                sums[1] *= self.decay
+        if kind:
+            sums = self.spec.setdefault((b, kind), [0.0, 0.0])
             sums[0] += seconds / plain_time
             sums[1] += tokens / batch
         else:
             value = seconds * batch / max(1, tokens) / plain_time
             self.plain[b] = value if n == 1 else 0.8 * self.plain[b] + 0.2 * value
-        self.since_plain[b] = self.since_plain.get(b, 0) + 1 if speculated else 0
+        self.since_plain[b] = self.since_plain.get(b, 0) + 1 if kind else 0
 
     def new_requests(self, count: int, batch: int) -> None:
         """`count` of the `batch` requests about to decode are new to speculation. The bucket's
-        verdict was measured on other requests: where the new ones are at least half of the
+        verdicts were measured on other requests: where the new ones are at least half of the
         batch (every new request at batch 1), the old evidence counts for the share that stayed,
         a verdict of slower waits for MIN_SAMPLES steps of the new batch (its first, which
-        re-warm the proposer, cost more than the rest) and a bucket measured slower probes at
+        re-warm the proposer, cost more than the rest) and a kind measured slower probes at
         once; so a request whose text speculation suits does not decode plainly for up to
         PROBE_MAX steps because the one before it did not."""
         share = count / batch
         if share < 0.5:
             return
         b = self.bucket(batch)
-        sums = self.spec.get(b)
-        if sums is not None:
-            sums[0] *= 1 - share
-            sums[1] *= 1 - share
-        if (b, True) in self.count:  # MIN_SAMPLES of the new requests before a verdict of slower
-            self.count[(b, True)] = int(self.count[(b, True)] * (1 - share))
-        off = self.off.get(b)
-        if off is not None:
-            off.waited, off.interval, off.run = 0, PROBE_AFTER, PROBE_RUN
+        for arm in (SPEC, LOOKUP_ONLY):
+            sums = self.spec.get((b, arm))
+            if sums is not None:
+                sums[0] *= 1 - share
+                sums[1] *= 1 - share
+            if (b, arm) in self.count:  # MIN_SAMPLES of the new requests before a verdict of slower
+                self.count[(b, arm)] = int(self.count[(b, arm)] * (1 - share))
+            off = self.off.get((b, arm))
+            if off is not None:
+                off.waited, off.interval, off.run = 0, PROBE_AFTER, PROBE_RUN
 
-    def rate(self, batch: int) -> float | None:
-        """The bucket's measured relative seconds per token with speculation (None: no sample)."""
-        seconds, tokens = self.spec.get(self.bucket(batch), (0.0, 0.0))
+    def rate(self, batch: int, kind: int = SPEC) -> float | None:
+        """The bucket's measured relative seconds per token in steps of `kind` (None: no sample)."""
+        seconds, tokens = self.spec.get((self.bucket(batch), kind), (0.0, 0.0))
         return seconds / tokens if tokens > 0 else None
 
-    def speculate(self, batch: int) -> bool:
-        """Whether the next step of `batch` requests should speculate."""
+    def speculate(self, batch: int, fallback: bool = False) -> int:
+        """The kind of the next step of `batch` requests: PLAIN, SPEC, or (with `fallback`: the
+        decoder has a lookup beside a per-request proposer) LOOKUP_ONLY where SPEC measured
+        slower and the lookup chains alone have not."""
         b = self.bucket(batch)
-        spec, plain = self.rate(batch), self.plain.get(b)
+        plain = self.plain.get(b)
         if plain is None or self.since_plain.get(b, 0) >= PLAIN_SAMPLE_EVERY:
-            return False  # measure a plain step
-        if spec is None or self.count[(b, True)] < MIN_SAMPLES or spec * (1 + self.margin) <= plain:
-            self.off.pop(b, None)
+            return PLAIN  # measure a plain step
+        if self._on(b, SPEC, plain):
+            return SPEC
+        return LOOKUP_ONLY if fallback and self._on(b, LOOKUP_ONLY, plain) else PLAIN
+
+    def _on(self, b: int, kind: int, plain: float) -> bool:
+        """Whether steps of `kind` should run in bucket b: not yet judged, judged faster than
+        plain, or a probe run's turn."""
+        seconds, tokens = self.spec.get((b, kind), (0.0, 0.0))
+        if tokens <= 0 or self.count[(b, kind)] < MIN_SAMPLES or seconds / tokens * (1 + self.margin) <= plain:
+            self.off.pop((b, kind), None)
             return True
-        off = self.off.setdefault(b, _Off())
+        off = self.off.setdefault((b, kind), _Off())
         if off.run:  # inside a probe run
             off.run -= 1
             return True
         off.waited += 1
         if off.waited >= off.interval:  # start a probe run (its first step re-warms the proposer)
             off.waited, off.interval, off.run = 0, max(min(PROBE_MAX, 2 * off.interval),
-                                                       self._affordable(spec / plain)), PROBE_RUN - 1
+                                                       self._affordable(seconds / tokens / plain)), PROBE_RUN - 1
             return True
         return False
 

@@ -27,7 +27,7 @@ from specserve.request import Request, TokenLogprob
 from specserve.sampling import FlatTrees, TokenCounts, gather_logprobs, verify_targets, verify_trees
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec_decode.draft_tree import DraftTree, ProposeBatch, Proposer, preorder
-from specserve.spec_decode.cost_model import device_clock
+from specserve.spec_decode.cost_model import PLAIN, SPEC, device_clock
 from specserve.spec_decode.ngram import NgramProposer
 from specserve.spec_decode.policy import PROBE_FIRST, PROBE_MAX, RequestState, SpecPolicy
 from specserve.structured import Grammars, constrain, cut
@@ -45,6 +45,9 @@ class SpecDecoder:
         self.proposer, self.lookup = proposer, lookup
         self.policy = policy or SpecPolicy(None, 1, adaptive=False)
         self.max_drafts = max_drafts if (proposer or lookup) else 0
+        # steps with the lookup chains alone are a kind of their own (Realized's LOOKUP_ONLY)
+        # where a proposer with a cost per request drafts beside them
+        self._fallback = lookup is not None and getattr(proposer, "costs_per_request", False)
         self.states: dict[str, RequestState] = {}
         self._gate_seen: set[str] = set()  # requests the speculation gate has counted (Realized.new_requests)
         self._num_drafted = 1  # requests the proposer drafted for last step (its cost share)
@@ -245,7 +248,9 @@ class SpecDecoder:
             if new:
                 self._gate_seen.update(new)
                 self.policy.realized.new_requests(len(new), batch)
-        if not (self._speculate(batch, bool(eligible), step_start) if self.policy.adaptive else eligible):
+        kind = (self._speculate(batch, bool(eligible), step_start) if self.policy.adaptive
+                else SPEC if eligible else PLAIN)
+        if kind == PLAIN:
             self._drafted_last = set()
             return  # nothing to draft for, a plain step to measure, or speculation measured slower
         states = [self._state(r) for r, _ in eligible]
@@ -254,28 +259,35 @@ class SpecDecoder:
             chains = self.lookup.lookup([r.request_id for r, _ in eligible], [r.all_token_ids for r, _ in eligible],
                                         [min(self.lookup.k, room) for _, room in eligible],
                                         [r.tenant for r, _ in eligible])
-        trees = (self._draft(eligible, states, batch, chains) if self.proposer is not None
-                 else [None] * len(eligible))
+        if self.proposer is not None and kind == SPEC:
+            trees = self._draft(eligible, states, batch, chains)
+        else:  # (LOOKUP_ONLY: the per-request proposer measured slower, its chains did not)
+            trees, self._drafted_last = [None] * len(eligible), set()
         for j, chain in enumerate(chains or ()):
             if chain:
                 trees[j], states[j].chain_nodes = (trees[j] or NO_DRAFTS).graft(chain)
         self._select(eligible, states, trees, batch)
         self.log.maybe(self.stats)
 
-    def _speculate(self, batch: int, eligible: bool, step_start: float) -> bool:
+    def _speculate(self, batch: int, eligible: bool, step_start: float) -> int:
         """Closes the last propose-to-propose interval (a sample of cost_model.Realized when its
-        step decoded the batch it was proposed for) and decides the next: plain when the cost
-        model wants a plain step, or when the measured rate says speculation loses. The
-        interval is timed in engine-busy seconds (the gaps between steps left out)."""
+        step decoded the batch it was proposed for) and decides the next step's kind: PLAIN when
+        the cost model wants a plain step or when the measured rates say speculation loses,
+        LOOKUP_ONLY where the per-request proposer's steps measured slower and lookup chains
+        alone have not, else SPEC. The interval is timed in engine-busy seconds (the gaps
+        between steps left out)."""
         now, policy = self._busy + time.perf_counter() - step_start, self.policy
         if self._interval is not None:
-            start, b, spec, spec_before = self._interval
+            start, b, kind, kind_before = self._interval
             decode_only, requests, tokens = self._step
-            if decode_only and requests == b and (spec_before or not spec):  # no re-warm after plain
-                policy.realized.observe(b, spec, now - start, tokens, policy.cost.step_time(b, b))
-        spec = eligible and not policy.cost.wants_plain(batch) and policy.realized.speculate(batch)
-        self._interval = (now, batch, spec, self._interval is not None and self._interval[2])
-        return spec
+            # a SPEC step after a step of another kind re-warms the proposer: not a sample
+            if decode_only and requests == b and (kind != SPEC or kind_before == SPEC):
+                policy.realized.observe(b, kind, now - start, tokens, policy.cost.step_time(b, b))
+        kind = PLAIN
+        if eligible and not policy.cost.wants_plain(batch):
+            kind = policy.realized.speculate(batch, self._fallback)
+        self._interval = (now, batch, kind, self._interval[2] if self._interval is not None else PLAIN)
+        return kind
 
     def _draft(self, eligible, states, batch: int, chains: list[list[int]] | None) -> list[DraftTree | None]:
         """The per-request proposer, for the requests where it pays beside their lookup chains
