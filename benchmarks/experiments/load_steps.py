@@ -89,7 +89,7 @@ def main() -> None:
     engines = {"plain": LLM(speculative_config=None, **common),
                "spec": LLM(speculative_config=json.loads(args.config), **common)}
     if args.off:
-        engines["spec"].engine.spec.policy.realized.speculate = lambda batch: False
+        engines["spec"].engine.spec.policy.realized.speculate = lambda batch, fallback=False: 0  # PLAIN
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     prompt_ids = request_list(encode(engines["plain"], load_prompts(args.split), args.max_tokens,
                                      args.max_model_len), args.concurrency, args.requests)
