@@ -183,7 +183,7 @@ class StepCostModel:
     @staticmethod
     def measure(runner, kv, max_rows: int) -> "StepCostModel":
         """Time target forwards of 1 .. max_rows rows (one request) and of plain steps of 4 and
-        16 requests, each the mean of 2 after one warm-up forward. A few seconds; cached per
+        16 requests, each the least of 3 after one warm-up forward. A few seconds; cached per
         process."""
         key = (repr(runner.arch), str(runner.dtype), str(runner.device), torch.get_num_threads(),
                runner.block_size, getattr(runner, "tp_size", 1),
@@ -343,8 +343,8 @@ class Realized:
         return min(PROBE_LONGEST, math.ceil(PROBE_RUN * max(0.0, ratio - 1) / PROBE_BUDGET))
 
 
-def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 2) -> float | None:
-    """Mean seconds of a target step of `num_requests` requests, each computing `rows_each`
+def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 3) -> float | None:
+    """The least seconds over `reps` runs of a target step of `num_requests` requests, each computing `rows_each`
     rows after CALIBRATION_CONTEXT tokens (the KV cache holds whatever it holds: only time is
     read); None when the cache or the context cannot hold them."""
     from specserve.request import Request, SamplingParams
@@ -372,7 +372,7 @@ def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 2) -> 
             runner.execute(sched)
             _sync(runner.device)
             times.append(time.perf_counter() - t0)
-        return sum(times) / reps
+        return min(times)  # (noise on a shared machine only adds time)
     finally:
         for req in reqs:
             kv.free(req)
