@@ -56,11 +56,12 @@ class SchedulerConfig:
 # whole tree
 DEFAULT_DRAFTS = {"ngram": 8, "suffix": 16, "draft_model": 4, "eagle": 8, "medusa": 64}
 SPEC_METHODS = tuple(DEFAULT_DRAFTS)  # ngram, suffix, draft_model, eagle, medusa
+MAX_MATCH = 64  # suffix decoding compares each occurrence of a context's last token this far back
 # keys of our own, beside vLLM's, and the methods they apply to: "adaptive" (bool, all),
 # "fairness" (0 <= f < 1, all: how far behind plain decoding's pace a request may fall over
 # its life so that others' drafts are verified; spec_decode/policy.py), "lookup_branch" (int
 # >= 0), "min_draft_prob" (0 <= p < 1: a fixed cut instead of the cost model's), "medusa_tree";
-# suffix decoding's "max_match" (the longest suffix looked up, int >= prompt_lookup_min),
+# suffix decoding's "max_match" (the longest suffix looked up, prompt_lookup_min..MAX_MATCH),
 # "corpus_tokens" (finished outputs kept per tenant, int >= 0) and "shared_corpus" (bool:
 # every tenant drafts from every output); vLLM's "quantization" names the draft head's
 # weights ("auto" | "int8" | "none")
@@ -146,9 +147,9 @@ class SpecConfig:
             _check_medusa_tree(self.extra["medusa_tree"])
         if not isinstance(self.extra.get("adaptive", True), bool):
             raise ValueError("speculative_config.adaptive: must be true or false")
-        if not _int_at_least(self.extra.get("max_match", lo), lo):
-            raise ValueError("speculative_config.max_match: must be an integer >= "
-                             f"prompt_lookup_min ({lo}), got {self.extra['max_match']!r}")
+        if not _int_at_least(self.extra.get("max_match", lo), lo) or self.extra.get("max_match", lo) > MAX_MATCH:
+            raise ValueError(f"speculative_config.max_match: must be an integer in [prompt_lookup_min ({lo}), "
+                             f"{MAX_MATCH}], got {self.extra['max_match']!r}")
         if not _int_at_least(self.extra.get("corpus_tokens", 0), 0):
             raise ValueError("speculative_config.corpus_tokens: must be an integer >= 0, "
                              f"got {self.extra['corpus_tokens']!r}")

@@ -119,6 +119,8 @@ def test_config_errors(make_llm, tiny_pair, tmp_path, default_model_dir, caplog)
         ({"method": "medusa", "min_draft_prob": 0.1}, "min_draft_prob: applies to method eagle, not 'medusa'"),
         ({"method": "suffix", "fairness": 1.0}, r"fairness: must be a number in \[0, 1\)"),
         ({"method": "ngram", "fairness": True}, "fairness: must be a number"),
+        ({"method": "suffix", "max_match": 65}, r"max_match: must be an integer in \[prompt_lookup_min \(1\), 64\]"),
+        ({"method": "eagle", "lookup": "suffix", "max_match": 0}, "max_match: must be an integer in"),
         ({"method": "ngram", "lookup_branch": 2}, "lookup_branch: applies to method eagle or medusa"),
         ({"method": "ngram", "quantization": "int8"}, "quantization: applies to method eagle or medusa"),
     ]
