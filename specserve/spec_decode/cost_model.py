@@ -344,9 +344,9 @@ class Realized:
 
 
 def _time_step(runner, kv, num_requests: int, rows_each: int, reps: int = 3) -> float | None:
-    """The least seconds over `reps` runs of a target step of `num_requests` requests, each computing `rows_each`
-    rows after CALIBRATION_CONTEXT tokens (the KV cache holds whatever it holds: only time is
-    read); None when the cache or the context cannot hold them."""
+    """The least seconds over `reps` runs of a target step of `num_requests` requests, each
+    computing `rows_each` rows after CALIBRATION_CONTEXT tokens (the KV cache holds whatever it
+    holds: only time is read); None when the cache or the context cannot hold them."""
     from specserve.request import Request, SamplingParams
     from specserve.scheduler.scheduler import SchedulerOutput
 

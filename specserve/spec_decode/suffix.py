@@ -2,19 +2,19 @@
 and in earlier requests of the same tenant, scored by how often each continuation followed
 (method "suffix"; docs/speculation.md).
 
-No model runs: a draft costs a few dictionary reads. For each request the longest suffix of
-its committed tokens (max_match down to min_match tokens) is looked up among the n-grams of
-its own prompt and output (`SuffixIndex`, grown with its committed tokens) and of the outputs
-of recent finished requests of the same tenant (`SuffixCorpus`, bounded, oldest out). The
-continuations of the most recent occurrences of the longest suffix found are merged into a
-trie; a node's count is how many occurrences continue through it, its score the log of the
-share of occurrences that do (its path's frequency). The best-scored nodes form the tree, at
-most max_drafts and SPEC_PER_MATCHED per matched token (a one-token match is weak evidence, a
-twelve-token one strong). The decoder values the tree's first path (the most frequent
-continuation) like a prompt-lookup chain, by the request's own acceptance by depth, and the
-other branches by their scores as the policy's calibration learned them; the cost model keeps
-the nodes that pay their rows. Trees are one-hot, so verification is exact for greedy
-and sampled requests alike.
+No model runs: a draft costs a few vector passes and dictionary reads. For each request the
+longest suffix of its committed tokens (max_match down to min_match tokens) is searched for in
+its own prompt and output (`SuffixIndex`: an array, compared in a few vector passes) and
+looked up among the n-grams of the outputs of recent finished requests of the same tenant
+(`SuffixCorpus`, bounded, oldest out). The continuations of the most recent occurrences of the
+longest suffix found are merged into a trie; a node's count is how many occurrences continue
+through it, its score the log of the share of occurrences that do (its path's frequency). The
+best-scored nodes form the tree, at most max_drafts and SPEC_PER_MATCHED per matched token (a
+one-token match is weak evidence, a twelve-token one strong). The decoder values the tree's
+first path (the most frequent continuation) like a prompt-lookup chain, by the request's own
+acceptance by depth, and the other branches by their scores as the policy's calibration
+learned them; the cost model keeps the nodes that pay their rows. Trees are one-hot, so
+verification is exact for greedy and sampled requests alike.
 
 Tenants: a request drafts only from its own text and from the outputs of requests of the same
 tenant (the API key it came with), so nothing one tenant wrote can be drafted for another, nor
@@ -144,7 +144,7 @@ class SuffixProposer:
 
     name = "suffix"
     needs_hidden = False
-    costs_per_request = False  # a few dictionary reads: drafts for every request, every step
+    costs_per_request = False  # no model: drafts for every request, every step
 
     def __init__(self, max_drafts: int, min_match: int = 1, max_match: int = 12,
                  corpus_tokens: int = DEFAULT_CORPUS_TOKENS, shared_corpus: bool = False) -> None:
