@@ -224,6 +224,7 @@ class _Off:
 
 PLAIN, SPEC, LOOKUP_ONLY = 0, 1, 2  # a step's kind (Realized's arms): no drafts; every proposer's
 # drafts; only the lookup chains (a tree method whose per-request proposer measured slower)
+_SPECULATIVE = (SPEC, LOOKUP_ONLY)
 
 
 class Realized:
@@ -259,11 +260,7 @@ class Realized:
         that batch."""
         b, kind = self.bucket(batch), int(kind)
         n = self.count[(b, kind)] = self.count.get((b, kind), 0) + 1
-        for arm in (SPEC, LOOKUP_ONLY):
-            sums = self.spec.get((b, arm))
-            if sums is not None:
-                sums[0] *= self.decay
-                sums[1] *= self.decay
+        self._scale(b, self.decay)
         if kind:
             sums = self.spec.setdefault((b, kind), [0.0, 0.0])
             sums[0] += seconds / plain_time
@@ -285,16 +282,21 @@ class Realized:
         if share < 0.5:
             return
         b = self.bucket(batch)
-        for arm in (SPEC, LOOKUP_ONLY):
-            sums = self.spec.get((b, arm))
-            if sums is not None:
-                sums[0] *= 1 - share
-                sums[1] *= 1 - share
+        self._scale(b, 1 - share)
+        for arm in _SPECULATIVE:
             if (b, arm) in self.count:  # MIN_SAMPLES of the new requests before a verdict of slower
                 self.count[(b, arm)] = int(self.count[(b, arm)] * (1 - share))
             off = self.off.get((b, arm))
             if off is not None:
                 off.waited, off.interval, off.run = 0, PROBE_AFTER, PROBE_RUN
+
+    def _scale(self, b: int, factor: float) -> None:
+        """Both speculative kinds' sums of bucket b times `factor`."""
+        for arm in _SPECULATIVE:
+            sums = self.spec.get((b, arm))
+            if sums is not None:
+                sums[0] *= factor
+                sums[1] *= factor
 
     def rate(self, batch: int, kind: int = SPEC) -> float | None:
         """The bucket's measured relative seconds per token in steps of `kind` (None: no sample)."""

@@ -263,8 +263,8 @@ class SpecPolicy:
         """A verified step: `emitted` tokens in `slowdown` plain steps' time (the step's
         prediction), into the request's lead over (1 - fairness) x plain decoding's pace: a
         plain step adds `fairness`, so the 5% (by default) a request may be slowed by is a
-        budget over its life rather than a cap on every step. A request that fell behind starts again from
-        none (it is then served as every request is in its first step)."""
+        budget over its life rather than a cap on every step. A request that fell behind starts
+        again from none (it is then served as every request is in its first step)."""
         state.ahead = min(AHEAD_MAX, max(0.0, state.ahead + emitted - (1 - self.fairness) * slowdown))
 
     # -- learning --------------------------------------------------------------------------------
