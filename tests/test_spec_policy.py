@@ -447,3 +447,54 @@ def test_calibration_stays_inside_a_short_context(make_llm, tiny_model_dir):
     assert _time_step(engine.runner, engine.kv, 1, 64) is None  # does not fit: not timed
     assert _time_step(engine.runner, engine.kv, 1, 16) > 0
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_a_step_that_admits_a_request_verifies_drafts(make_llm, tiny_model_dir):
+    """Three requests in flight, the next sent when one finishes: every step after a finish
+    holds the successor's prefill beside the others' decodes, and its kind was chosen at one
+    request fewer, a batch size whose plain step (asked for by the cost model, then by
+    Realized) is never measured, since a step with a prefill chunk measures nothing. Each ask
+    is taken once: later such steps verify drafts (all of them were plain steps while the
+    measurement was asked for again at every one); greedy output is plain decoding's."""
+    from specserve import SamplingParams
+
+    prompts = [[5, 9, 17, 33] * 3 + [5, 9], [7, 8, 7, 8, 7, 8, 7], [11, 12, 13, 11, 12, 13, 11]] * 4
+    lengths = [30, 9, 17, 23] * 3  # finishes spread out, so that the others are mid-decode
+    kw = {"max_num_seqs": 3, "max_model_len": 128}
+
+    def run(llm):
+        engine, outputs, mixed, sent = llm.engine, {}, [], 0
+        execute = engine.runner.execute
+
+        def send():
+            nonlocal sent
+            engine.add_request(str(sent), prompts[sent], SamplingParams(temperature=0, max_tokens=lengths[sent]))
+            sent += 1
+
+        def logged(sched, *a):  # a step with a prefill chunk beside requests that decode
+            if not sched.decode_only and any(r.num_output_tokens for r in sched.requests):
+                mixed.append((engine.spec._interval[2] if engine.spec._interval else PLAIN, sum(sched.num_drafts)))
+            return execute(sched, *a)
+
+        engine.runner.execute = logged
+        while sent < 3:
+            send()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+                    if sent < len(prompts):
+                        send()
+        return outputs, mixed
+
+    ref, _ = run(make_llm(str(tiny_model_dir), speculative_config=None, **kw))
+    # suffix decoding: a prompt's second and third requests draft from the first one's output
+    llm = make_llm(str(tiny_model_dir), speculative_config={"method": "suffix", "num_speculative_tokens": 4}, **kw)
+    spec = llm.engine.spec
+    spec.policy.realized._on = lambda b, kind, plain: True  # never judged slower (tiny model timings)
+    spec.policy.select = lambda batch, trees, *a, **k: [list(range(len(t))) for t in trees]  # verify all
+    outputs, mixed = run(llm)
+    assert outputs == ref
+    kinds = [kind for kind, _ in mixed]
+    assert len(mixed) >= 6 and kinds.count(PLAIN) <= 4  # a plain step asked once per batch size and bucket
+    assert sum(1 for _, drafts in mixed if drafts) >= 3

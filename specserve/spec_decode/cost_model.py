@@ -169,12 +169,19 @@ class StepCostModel:
         self._fit[batch] = fit
         self._extra.clear()  # (every batch size's prior may have moved)
 
-    def wants_plain(self, batch: int) -> bool:
+    def plain_due(self, batch: int) -> bool:
         """Whether the next step of `batch` requests should be plain, to measure plain(B) at
         today's contexts: after PLAIN_EVERY steps with drafts at B (or at once, when B has
         never run plain). Without it plain(B) keeps the calibration's prior, which is off by
-        as much as speculation gains at high load."""
-        return batch > 1 and self._since_plain.get(batch, PLAIN_EVERY) >= PLAIN_EVERY
+        as much as speculation gains at high load. A yes counts as the plain step taken: one
+        that turns out to hold a prefill chunk measures nothing, and the next chance comes
+        after PLAIN_EVERY more steps with drafts at B, so that a batch size met only just
+        before a request arrives (one finished, its successor comes in with a prefill) still
+        speculates, its plain(B) interpolated meanwhile."""
+        if batch <= 1 or self._since_plain.get(batch, PLAIN_EVERY) < PLAIN_EVERY:
+            return False
+        self._since_plain[batch] = 0
+        return True
 
     def row_price(self, batch: int, rows: int) -> float:
         """Seconds per row of adding `rows` draft rows to a plain step of `batch` requests."""
@@ -308,9 +315,12 @@ class Realized:
         decoder has a lookup beside a per-request proposer) LOOKUP_ONLY where SPEC measured
         slower and the lookup chains alone have not."""
         b = self.bucket(batch)
-        plain = self.plain.get(b)
-        if plain is None or self.since_plain.get(b, 0) >= PLAIN_SAMPLE_EVERY:
-            return PLAIN  # measure a plain step
+        if self.since_plain.get(b, PLAIN_SAMPLE_EVERY) >= PLAIN_SAMPLE_EVERY:
+            # measure a plain step (taken: a step that turns out to hold a prefill chunk is no
+            # sample, and the bucket is measured against the model's plain step until one is)
+            self.since_plain[b] = 0
+            return PLAIN
+        plain = self.plain.get(b, 1.0)
         if self._on(b, SPEC, plain):
             return SPEC
         return LOOKUP_ONLY if fallback and self._on(b, LOOKUP_ONLY, plain) else PLAIN

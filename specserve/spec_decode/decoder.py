@@ -284,7 +284,7 @@ class SpecDecoder:
             if decode_only and requests == b and (kind != SPEC or kind_before == SPEC):
                 policy.realized.observe(b, kind, now - start, tokens, policy.cost.step_time(b, b))
         kind = PLAIN
-        if eligible and not policy.cost.wants_plain(batch):
+        if eligible and not policy.cost.plain_due(batch):
             kind = policy.realized.speculate(batch, self._fallback)
         self._interval = (now, batch, kind, self._interval[2] if self._interval is not None else PLAIN)
         return kind
