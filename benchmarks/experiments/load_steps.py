@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def logged_loop(engine, prompt_ids, concurrency: int, params, tag: str) -> tuple[object, list[dict]]:
+def logged_loop(engine, prompt_ids, concurrency: int, params, tag: str,
+                after: list[int | None] | None = None) -> tuple[object, list[dict]]:
     """closed_loop with a record per step: batch, decode only, drafts, seconds, tokens emitted."""
     from specserve.bench.load import closed_loop
 
@@ -35,7 +36,9 @@ def logged_loop(engine, prompt_ids, concurrency: int, params, tag: str) -> tuple
     current: dict = {}
 
     def logged_execute(sched, *args):
-        current.update(batch=len(sched), decode=sched.decode_only, drafts=sum(sched.num_drafts))
+        interval = engine.spec._interval  # the kind of step the decoder chose for this one
+        current.update(batch=len(sched), decode=sched.decode_only, drafts=sum(sched.num_drafts),
+                       kind=interval[2] if interval else None)
         return execute(sched, *args)
 
     def logged_step():
@@ -49,7 +52,7 @@ def logged_loop(engine, prompt_ids, concurrency: int, params, tag: str) -> tuple
 
     engine.runner.execute, engine.step = logged_execute, logged_step
     try:
-        run = closed_loop(engine, prompt_ids, concurrency, params, tag)
+        run = closed_loop(engine, prompt_ids, concurrency, params, tag, after)
     finally:
         engine.runner.execute, engine.step = execute, step
     return run, steps
@@ -60,7 +63,7 @@ def summarise(steps: list[dict], concurrency: int) -> dict[str, dict]:
     last_full = full[-1] if full else -1
     out: dict[str, dict] = collections.defaultdict(lambda: {"steps": 0, "seconds": 0.0, "tokens": 0})
     for i, s in enumerate(steps):
-        kind = ("tail" if i > last_full else "mixed" if not s["decode"]
+        kind = ("tail" if i > last_full else ("mixed+drafts" if s["drafts"] else "mixed") if not s["decode"]
                 else "spec" if s["drafts"] else "plain")
         out[kind]["steps"] += 1
         out[kind]["seconds"] += s["seconds"]
@@ -79,24 +82,35 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--off", action="store_true", help="force speculation off in the speculative engine")
+    p.add_argument("--dump", default=None, help="write every step's record (JSON) to this file")
+    p.add_argument("--workload", choices=["chat_code", "agentic"], default="chat_code",
+                   help="bench load's workloads (agentic: a conversation's turns in order, prefix caching on)")
     args = p.parse_args()
 
     from specserve import LLM, SamplingParams
-    from specserve.bench.load import encode, load_prompts, request_list, warm_up
+    from specserve.bench.load import (agentic_prompt_ids, conversation_list, encode, load_prompts, request_list,
+                                      warm_up)
 
     common = {"max_num_seqs": args.concurrency, "max_model_len": args.max_model_len, "dtype": args.dtype,
-              "enable_prefix_caching": False}
+              "enable_prefix_caching": args.workload == "agentic"}
     engines = {"plain": LLM(speculative_config=None, **common),
                "spec": LLM(speculative_config=json.loads(args.config), **common)}
     if args.off:
         engines["spec"].engine.spec.policy.realized.speculate = lambda batch, fallback=False: 0  # PLAIN
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    prompt_ids = request_list(encode(engines["plain"], load_prompts(args.split), args.max_tokens,
-                                     args.max_model_len), args.concurrency, args.requests)
+    after = None
+    if args.workload == "agentic":
+        turns, _ = agentic_prompt_ids(engines["plain"], args.split, args.max_tokens, args.max_model_len)
+        prompt_ids, after = conversation_list(turns, args.concurrency, args.requests)
+    else:
+        prompt_ids = request_list(encode(engines["plain"], load_prompts(args.split), args.max_tokens,
+                                         args.max_model_len), args.concurrency, args.requests)
     warm_up(engines, args.concurrency, params)
+    records = {}
     for rep in range(args.repeats):
         for name, llm in engines.items():
-            run, steps = logged_loop(llm.engine, prompt_ids, args.concurrency, params, f"{name}-{rep}")
+            run, steps = logged_loop(llm.engine, prompt_ids, args.concurrency, params, f"{name}-{rep}", after)
+            records[f"{name}-{rep}"] = steps
             parts = ", ".join(f"{kind} {v['steps']} steps {v['seconds']:.1f} s {v['tokens']} tok "
                               f"({v['tokens'] / max(v['seconds'], 1e-9):.0f} tok/s)"
                               for kind, v in summarise(steps, args.concurrency).items())
@@ -104,6 +118,8 @@ def main() -> None:
             drafts = f"; median drafts per full spec step {statistics.median(rows):.0f}" if rows else ""
             print(f"{name:<5} run {rep + 1}: {len(prompt_ids)} requests, {run.tokens_per_s:.1f} tok/s in "
                   f"{run.seconds:.1f} s: {parts}{drafts}", flush=True)
+    if args.dump:
+        Path(args.dump).write_text(json.dumps(records))
 
 
 if __name__ == "__main__":
