@@ -194,7 +194,8 @@ class StepCostModel:
         process."""
         key = (repr(runner.arch), str(runner.dtype), str(runner.device), torch.get_num_threads(),
                runner.block_size, getattr(runner, "tp_size", 1),
-               getattr(runner, "steps", None) is not None)  # (the compiled / graph step, or eager)
+               getattr(runner, "steps", None) is not None,  # (the compiled / graph step, or eager)
+               getattr(runner, "batch_invariant", False), getattr(runner, "quantization", "none"))
         if key not in _CALIBRATED:
             _CALIBRATED[key] = StepCostModel._calibrate(runner, kv, max_rows)
         return StepCostModel(*_CALIBRATED[key])
