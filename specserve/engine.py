@@ -125,12 +125,14 @@ class Engine:
         self._passed_at: dict[str, int] = {}  # output tokens of a suspect when it became one
         self._rng = random.Random(mc.seed)
         self._grammars_lock = threading.Lock()
+        rows = getattr(self.runner.model, "invariant_rows", 0)  # (a CPU's invariant bfloat16 products)
         print(f"[specserve] model ready in {time.time() - start:.1f} s "
               f"({self.arch.num_layers} layers, vocab {self.arch.vocab_size}, "
               f"{self.runner.num_blocks} KV blocks, {self.runner.device} "
               f"{str(self.runner.dtype).removeprefix('torch.')}"
               f"{' with int8 weights' if mc.quantization == 'int8' else ''}"
               f"{', batch-invariant' if self.runner.batch_invariant else ''}"
+              f"{f' (products in calls of up to {rows} rows)' if rows else ''}"
               f"{f', tensor parallel {mc.tensor_parallel_size}' if mc.tensor_parallel_size > 1 else ''}, speculation: "
               f"{spec_config.method or 'off'})", flush=True)
 

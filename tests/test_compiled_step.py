@@ -392,8 +392,9 @@ def test_enforce_eager_flag_and_config():
 
 
 def test_batch_invariant_flag_and_its_default():
-    """--batch-invariant / --no-batch-invariant, unset by default; unset means on for CUDA in
-    bfloat16/float16 and off elsewhere (a CPU's C kernels are batch-invariant without it)."""
+    """--batch-invariant / --no-batch-invariant, unset by default; unset means on in
+    bfloat16/float16 (CUDA: the invariant ops; a CPU: products in calls of a measured size) and
+    off in float32 (a CPU's C kernels are batch-invariant without it)."""
     import argparse
 
     from specserve.config import EngineConfig
@@ -409,7 +410,9 @@ def test_batch_invariant_flag_and_its_default():
     assert [batch_invariant_on(None, cuda, d) for d in (torch.bfloat16, torch.float16, torch.float32)] \
         == [True, True, False]
     assert not batch_invariant_on(False, cuda, torch.bfloat16) and batch_invariant_on(True, cuda, torch.float32)
-    assert not any(batch_invariant_on(c, cpu, torch.bfloat16) for c in (None, True))
+    assert [batch_invariant_on(None, cpu, d) for d in (torch.bfloat16, torch.float16, torch.float32)] \
+        == [True, True, False]
+    assert not batch_invariant_on(False, cpu, torch.bfloat16) and batch_invariant_on(True, cpu, torch.float32)
 
 
 def test_capture_time_is_a_gauge():

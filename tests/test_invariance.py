@@ -3,14 +3,15 @@
 A token's hidden state must have the same bits whether it is decoded alone, verified behind
 other drafts, verified as a tree node, or computed beside other requests. These tests check
 the two pieces that carry that property, on the machine that runs the suite: the GEMMs
-(`Linear` with `pad_single_row`) and `InvariantAttention`.
+(`Linear` with `pad_single_row`, in calls of at most `invariant_call_rows` rows) and
+`InvariantAttention`; and the whole engine, plain decoding against speculation under load.
 """
 
 import pytest
 import torch
 
 from specserve.model.attention import InvariantAttention, _sum_chunks
-from specserve.model.llama import Linear
+from specserve.model.llama import Linear, invariant_call_rows
 from specserve.model.runner import cpu_has_native_bf16
 
 pytestmark = pytest.mark.skipif(not cpu_has_native_bf16(),
@@ -33,6 +34,53 @@ def test_linear_rows_do_not_depend_on_the_batch(shape):
             assert torch.equal(layer(x[:m]), full[:m]), m
         for j in range(24):
             assert torch.equal(layer(x[j:j + 1])[0], full[j]), j
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (49152, 576)])
+def test_linear_calls_of_the_measured_size_give_each_row_its_bits_alone(shape):
+    """oneDNN picks its kernel by the number of rows (on an AMX Xeon calls of 33 rows and more
+    gave other bits than 1-32): cut into calls of the size measured here, a row of a 96-row
+    product, or of any call of 1-96 rows, has the bits it gets alone."""
+    torch.manual_seed(0)
+    layer = Linear(shape[1], shape[0], bias=False).to(BF16)
+    layer.pad_single_row = True
+    layer.rows_per_call = invariant_call_rows([layer])
+    assert 1 <= layer.rows_per_call <= 64
+    x = (torch.randn(96, shape[1]) * torch.rand(96, 1) * 3).to(BF16)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[j:j + 1]) for j in range(96)])
+        for m in (2, 17, 33, 40, 64, 65, 96):
+            assert torch.equal(layer(x[:m]), alone[:m]), m
+            assert torch.equal(layer(x[96 - m:]), alone[96 - m:]), m
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory, default_model_dir):
+    """A random model of the default model's width (576; 2 layers), whose products' reductions
+    are as long as the default model's."""
+    from tests.conftest import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("wide"), default_model_dir, hidden=576, heads=9, kv_heads=3)
+
+
+def test_bfloat16_speculation_under_load_is_plain_decoding(make_llm, wide_model_dir):
+    """bfloat16 on a CPU is batch-invariant by default: prompt lookup's verify steps at 16 in
+    flight (rows of several requests, more than 32 a step) give plain decoding's tokens
+    exactly, and a prompt's rows the same bits whatever the chunk beside them (with
+    `batch_invariant=False` on an AMX Xeon, some of these outputs differ)."""
+    from specserve import SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": (torch.randint(3, 400, (5,), generator=gen).tolist() * 8)[:4 + 3 * i]}
+               for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    args = {"dtype": "bfloat16", "max_num_seqs": 16, "max_model_len": 256}
+    plain = make_llm(str(wide_model_dir), speculative_config=None, **args)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = make_llm(str(wide_model_dir), speculative_config={"method": "ngram", "adaptive": False}, **args)
+    assert spec.engine.runner.batch_invariant and spec.engine.runner.model.invariant_rows >= 1
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.engine.stats.spec_num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("head_dim", [64, 80])

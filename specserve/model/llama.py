@@ -36,6 +36,7 @@ class Linear(nn.Linear):
     """
 
     pad_single_row = False
+    rows_per_call = 0  # CPU, --batch-invariant: PyTorch's products in calls of at most this many rows
     packed = None  # a cpu_linear.PackedFloat32, see finalize_weights
     invariant = False  # through specserve::linear_invariant (CUDA, --batch-invariant): see use_invariant_products
 
@@ -53,9 +54,41 @@ class Linear(nn.Linear):
             return self.packed(x)
         if self.invariant:
             return torch.ops.specserve.linear_invariant(x, self.weight, self.bias)
+        n = self.rows_per_call
+        if n and x.shape[0] > n:
+            return torch.cat([self.dense(x[i:i + n]) for i in range(0, x.shape[0], n)])
+        return self.dense(x)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The product through PyTorch's GEMM in one call (one row padded to two: see the class)."""
         if self.pad_single_row and x.shape[0] == 1:
             return F.linear(torch.cat((x, x)), self.weight, self.bias)[:1]
         return F.linear(x, self.weight, self.bias)
+
+
+def invariant_call_rows(linears: list[Linear], most: int = 64) -> int:
+    """The most rows (up to `most`) a call of PyTorch's product may take on this CPU for each
+    of its rows to get the bits the row gets alone, for every product shape among `linears`:
+    a call of m rows is compared, row for row, with each row alone, for m = 2, 3, ... at the
+    start and at the end of `most` random rows, up to the first m that differs. oneDNN's
+    bfloat16 GEMM picks its kernel by the number of rows (on an AMX Xeon calls of 1 to 32 rows
+    gave every row its bits alone, 33 rows and more others; docs/cpu.md), and on another CPU
+    at other sizes, so the size is found where the engine runs; a few tenths of a second."""
+    gen = torch.Generator().manual_seed(0)
+    best, seen = most, set()
+    with torch.inference_mode():
+        for lin in linears:
+            key = (tuple(lin.weight.shape), lin.bias is not None, lin.weight.dtype)
+            if key in seen or not lin.weight.numel():
+                continue
+            seen.add(key)
+            x = torch.randn(most, lin.in_features, generator=gen).to(lin.weight.dtype)
+            alone = torch.cat([lin.dense(x[i:i + 1]) for i in range(most)])
+            for m in range(2, best + 1):
+                if not (torch.equal(lin.dense(x[:m]), alone[:m]) and torch.equal(lin.dense(x[-m:]), alone[-m:])):
+                    best = m - 1
+                    break
+    return best
 
 
 class RMSNorm(nn.Module):
@@ -210,6 +243,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(arch, max_positions)
         self.lm_head_t: torch.Tensor | None = None  # see finalize_weights
+        self.invariant_rows = 0  # CPU, --batch-invariant: the most rows of a product's call (use_invariant_call_rows)
         self.lm_head_kernel = None  # the LM head through our CPU kernel: see quantize_int8, finalize_weights
         # decoder layers whose outputs (the residual stream after them) the forward also returns,
         # after the final hidden states: an EAGLE-3 head's fused features (spec_decode/eagle.py)
@@ -273,6 +307,27 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (Linear, RMSNorm, Attention, MLP)):
                 module.invariant = True
         self.lm_head_t = None  # (the LM head through its Linear)
+
+    def use_invariant_call_rows(self) -> None:
+        """On a CPU, the products that go through PyTorch's GEMM (bfloat16 and float16, and
+        float32 where our kernel does not run) in calls of at most `invariant_call_rows` rows,
+        so that a row's bits never depend on the rows beside it: a verify row is then the
+        decode row of the same token, and a prompt's rows the same whatever chunk they come
+        in. Products through our kernels are batch-invariant already; norms, rotary and the
+        MLP's activation work row by row, and the attention backend for these dtypes is the
+        invariant one. Steps of more rows than that cost more (the weights are read once a
+        call, docs/cpu.md)."""
+        self.lm_head_t = None  # (the LM head through its Linear, unless through our kernel)
+        dense = [m for m in self.modules() if isinstance(m, Linear) and m.packed is None and m.weight.numel()
+                 and not (m is self.lm_head and self.lm_head_kernel is not None)]
+        if not dense:
+            return
+        for module in dense:  # (a one-row GEMV sums otherwise than the many-row GEMM)
+            module.pad_single_row = True
+        rows = invariant_call_rows(dense)
+        for module in dense:
+            module.rows_per_call = rows
+        self.invariant_rows = rows
 
     def finalize_weights(self, c_kernels: bool = True) -> None:
         """Call once the weights are final (loaded and cast). c_kernels False: none of our C

@@ -33,13 +33,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def batch_invariant_on(choice: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a target runs its products, norms and elementwise steps through the
-    batch-invariant Triton ops (model/invariant_ops.py; `--batch-invariant`): CUDA only (a CPU's
-    float32 C kernels are batch-invariant by construction); None (the default) turns them on for
-    bfloat16 and float16, where cuBLAS's products chosen by row count made greedy speculation
-    give other tokens than plain decoding (on an H200 the 8B-shaped step costs 0.91x with them at
-    one request, docs/benchmarks.md). float32 on CUDA keeps cuBLAS unless asked."""
-    if device.type != "cuda":
+    """Whether a target computes every row with the bits it gets alone (`--batch-invariant`).
+    On CUDA its products, norms and elementwise steps go through the batch-invariant Triton ops
+    (model/invariant_ops.py); on a CPU the products that go through PyTorch's GEMM are cut into
+    calls of a size that keeps each row's bits (LlamaForCausalLM.use_invariant_call_rows; a CPU's
+    float32 C kernels are batch-invariant by construction). None (the default) turns it on for
+    bfloat16 and float16, where cuBLAS's and oneDNN's products chosen by row count made greedy
+    speculation give other tokens than plain decoding (on an H200 the 8B-shaped step costs 0.91x
+    with them at one request, docs/benchmarks.md); float32 keeps PyTorch's products unless asked."""
+    if device.type not in ("cuda", "cpu"):
         return False
     return dtype in (torch.bfloat16, torch.float16) if choice is None else bool(choice)
 
@@ -129,8 +131,10 @@ class ModelRunner:
         self.step_mode = step_mode(self.device, model_config.enforce_eager or tp is not None, self.quantization,
                                    eager_arithmetic=invariant and arch.qk_norm)
         self.model.finalize_weights(c_kernels=not self.step_mode[0])
-        if invariant:
+        if invariant and self.device.type == "cuda":
             self.model.use_invariant_products()
+        elif invariant:  # (a CPU: PyTorch's products cut into calls that keep each row's bits)
+            self.model.use_invariant_call_rows()
         self.steps, self.graph_capture_seconds = None, 0.0  # set by prepare_steps
         self.tp_size = 1 if tp is None else tp.size
         heads, kv_heads = local_heads(arch.num_heads, arch.num_kv_heads, self.tp_size)

@@ -41,10 +41,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run every step eagerly: no compiled step and no CUDA graphs (on CUDA "
                         "both are on by default; a CPU runs eagerly anyway)")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: every product, norm and elementwise step through our batch-invariant "
-                        "Triton kernels, so that speculation is exactly lossless (cuBLAS picks its "
-                        "kernels by row count); on by default in bfloat16/float16, off in float32 "
-                        "(its cost: docs/benchmarks.md). A CPU's kernels are batch-invariant already")
+                   help="every row computed with the bits it gets alone, so that speculation is "
+                        "exactly lossless: on CUDA every product, norm and elementwise step through "
+                        "our batch-invariant Triton kernels (cuBLAS picks its kernels by row count); "
+                        "on a CPU PyTorch's products in calls of at most the rows that keep a row's "
+                        "bits, measured at start (oneDNN picks its kernels by row count too). On by "
+                        "default in bfloat16/float16, off in float32, where a CPU's C kernels are "
+                        "batch-invariant already (its cost: docs/benchmarks.md)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--seed", type=int, default=0)
