@@ -9,17 +9,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import weakref
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-_ENGINES: list = []
+# every engine made and still alive (weak: one that a finished test dropped goes, with its KV
+# cache, instead of holding a gigabyte to the end of the session), and those of the running
+# test (held until its check)
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
+_TEST_ENGINES: list = []
 
 
 def _register(llm):
-    _ENGINES.append(llm.engine)
+    _ENGINES.add(llm.engine)
+    _TEST_ENGINES.append(llm.engine)
     return llm
 
 
@@ -48,7 +54,9 @@ def _blocks_back_in_pool():
     requests behind fails (they are aborted first, so the next test starts clean)."""
     yield
     problems = []
-    for engine in _ENGINES:
+    engines = {id(e): e for e in [*_TEST_ENGINES, *_ENGINES]}.values()
+    _TEST_ENGINES.clear()
+    for engine in engines:
         if engine.has_unfinished_requests():
             problems.append(f"requests left unfinished: {sorted(engine.requests)}")
             for rid in list(engine.requests):

@@ -74,7 +74,7 @@ def test_bfloat16_speculation_under_load_is_plain_decoding(make_llm, wide_model_
     prompts = [{"prompt_token_ids": (torch.randint(3, 400, (5,), generator=gen).tolist() * 8)[:4 + 3 * i]}
                for i in range(24)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    args = {"dtype": "bfloat16", "max_num_seqs": 16, "max_model_len": 256}
+    args = {"dtype": "bfloat16", "max_num_seqs": 16, "max_model_len": 256, "num_blocks": 512}
     plain = make_llm(str(wide_model_dir), speculative_config=None, **args)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     spec = make_llm(str(wide_model_dir), speculative_config={"method": "ngram", "adaptive": False}, **args)

@@ -460,7 +460,7 @@ def test_a_step_that_admits_a_request_verifies_drafts(make_llm, tiny_model_dir):
 
     prompts = [[5, 9, 17, 33] * 3 + [5, 9], [7, 8, 7, 8, 7, 8, 7], [11, 12, 13, 11, 12, 13, 11]] * 4
     lengths = [30, 9, 17, 23] * 3  # finishes spread out, so that the others are mid-decode
-    kw = {"max_num_seqs": 3, "max_model_len": 128}
+    kw = {"max_num_seqs": 3, "max_model_len": 128, "num_blocks": 64}
 
     def run(llm):
         engine, outputs, mixed, sent = llm.engine, {}, [], 0
