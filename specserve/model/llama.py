@@ -74,15 +74,23 @@ def invariant_call_rows(linears: list[Linear], most: int = 64) -> int:
     bfloat16 GEMM picks its kernel by the number of rows (on an AMX Xeon calls of 1 to 32 rows
     gave every row its bits alone, 33 rows and more others; docs/cpu.md), and on another CPU
     at other sizes, so the size is found where the engine runs (1.6 s for the default model
-    on that Xeon)."""
+    on that Xeon; once per process for each set of shapes)."""
+    shapes = {(tuple(lin.weight.shape), lin.bias is not None, lin.weight.dtype): lin
+              for lin in linears if lin.weight.numel()}
+    key = (tuple(sorted(shapes, key=str)), most, torch.get_num_threads())
+    if key not in _CALL_ROWS:
+        _CALL_ROWS[key] = _measure_call_rows(list(shapes.values()), most)
+    return _CALL_ROWS[key]
+
+
+_CALL_ROWS: dict[tuple, int] = {}  # invariant_call_rows' answers in this process
+
+
+def _measure_call_rows(linears: list[Linear], most: int) -> int:
     gen = torch.Generator().manual_seed(0)
-    best, seen = most, set()
+    best = most
     with torch.inference_mode():
         for lin in linears:
-            key = (tuple(lin.weight.shape), lin.bias is not None, lin.weight.dtype)
-            if key in seen or not lin.weight.numel():
-                continue
-            seen.add(key)
             x = torch.randn(most, lin.in_features, generator=gen).to(lin.weight.dtype)
             alone = torch.cat([lin.dense(x[i:i + 1]) for i in range(most)])
             for m in range(2, best + 1):
