@@ -62,6 +62,34 @@ def test_without_max_tokens_a_request_runs_to_what_the_kv_cache_holds(small_kv):
     assert too_many.status_code == 400 and "KV cache" in too_many.json()["error"]["message"]
 
 
+def test_an_idle_connection_outlives_the_clients_own_idle_timeout(small_kv):
+    """httpx (and so the openai client) reuses a pooled connection idle for up to 5 s; a server
+    that closes idle connections at 5 s races it, and the request sent as it closes fails with
+    a connection error. A request 6 s after the last one on the same connection gets its answer."""
+    import socket
+    get = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+
+    def answer(sock: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(4096)
+            assert chunk, "the server closed the connection"
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += sock.recv(4096)
+        return head
+
+    with socket.create_connection(("127.0.0.1", small_kv.port), timeout=30) as sock:
+        sock.sendall(get)
+        assert answer(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        sock.sendall(get)
+        assert answer(sock).startswith(b"HTTP/1.1 200")
+
+
 def test_zz_sigterm_ends_running_streams_cleanly_and_exits_0(small_kv):
     """Runs last in the module: SIGTERM while a long stream runs. New requests get 503; the
     stream ends after the grace period with an error event and [DONE]; exit 0."""

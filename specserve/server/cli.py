@@ -103,6 +103,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to let running requests finish after SIGTERM; those still "
                         "running then end with an error event")
+    s.add_argument("--timeout-keep-alive", type=float, default=75.0,
+                   help="seconds an idle HTTP connection stays open for its next request; "
+                        "longer than the idle time after which clients and proxies drop a "
+                        "pooled connection (httpx, the openai client: 5 s; load balancers: "
+                        "60 s), so that a client never sends on a connection the server is "
+                        "closing")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", dest="access_log", action="store_false")
@@ -200,7 +206,7 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
     server = Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 5,
-        timeout_keep_alive=5))
+        timeout_keep_alive=args.timeout_keep_alive))
 
     def engine_died(error: BaseException) -> None:
         logger.critical("the engine died (%r): exiting so that a supervisor restarts the "
