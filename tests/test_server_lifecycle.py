@@ -41,10 +41,10 @@ def sse_events(r: httpx.Response) -> list[str]:
 
 @pytest.fixture(scope="module")
 def small_kv():
-    """A 2,048-token context over a KV cache of 12 blocks (192 tokens), and a 1 s grace period
-    on SIGTERM."""
+    """A 2,048-token context over a KV cache of 12 blocks (192 tokens), a 1 s grace period on
+    SIGTERM and 2 s for a request's head."""
     proc = ServerProcess(["--max-model-len", "2048", "--num-blocks", "12", "--block-size", "16",
-                          "--shutdown-timeout", "1"])
+                          "--shutdown-timeout", "1", "--timeout-request-head", "2"])
     yield proc
     proc.stop()
 
@@ -88,6 +88,42 @@ def test_an_idle_connection_outlives_the_clients_own_idle_timeout(small_kv):
         time.sleep(6)
         sock.sendall(get)
         assert answer(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_a_connection_that_sends_no_whole_request_head_is_closed(small_kv):
+    """Connections that send nothing, half a request line, or half the next request after a
+    response are closed once --timeout-request-head (2 s) has passed, while a request on
+    another connection is answered; a whole request that was sent slowly within it is answered."""
+    import socket
+
+    def closed_within(sock: socket.socket, seconds: float) -> bool:
+        sock.settimeout(seconds)
+        try:
+            while sock.recv(4096):
+                pass  # (a previous response's bytes)
+            return True
+        except TimeoutError:
+            return False
+
+    def connect() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", small_kv.port), timeout=10)
+
+    silent, half, next_half, slow = connect(), connect(), connect(), connect()
+    half.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    next_half.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    next_half.settimeout(10)
+    assert next_half.recv(4096).startswith(b"HTTP/1.1 200")
+    next_half.sendall(b"GET /health HT")
+    slow.sendall(b"GET /health HTTP/1.1\r\n")
+    time.sleep(1)
+    slow.sendall(b"Host: 127.0.0.1\r\n\r\n")
+    slow.settimeout(10)
+    assert slow.recv(4096).startswith(b"HTTP/1.1 200")
+    assert httpx.get(f"{small_kv.base_url}/health", timeout=10).status_code == 200
+    for sock in (silent, half, next_half):
+        with sock:
+            assert closed_within(sock, 6)
+    slow.close()
 
 
 def test_zz_sigterm_ends_running_streams_cleanly_and_exits_0(small_kv):
@@ -160,3 +196,10 @@ def test_no_key_on_a_network_address_is_refused_at_start():
                        timeout=120, cwd=str(REPO))
     assert r.returncode == 2
     assert "without an API key" in r.stderr
+
+
+@pytest.mark.parametrize("flag", ["--timeout-request-head", "--timeout-keep-alive"])
+def test_a_timeout_of_no_seconds_is_refused_at_start(flag):
+    r = subprocess.run([sys.executable, "-m", "specserve.server", flag, "0"], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120, cwd=str(REPO))
+    assert r.returncode == 2 and f"{flag} must be more than 0 seconds" in r.stderr, r.stderr

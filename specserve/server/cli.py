@@ -109,6 +109,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "pooled connection (httpx, the openai client: 5 s; load balancers: "
                         "60 s), so that a client never sends on a connection the server is "
                         "closing")
+    s.add_argument("--timeout-request-head", type=float, default=60.0,
+                   help="seconds a client has to send a request's line and headers once its "
+                        "connection opens (or its next request begins); slower connections "
+                        "are closed, so that idle or half-sent ones cannot hold the server's "
+                        "sockets")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", dest="access_log", action="store_false")
@@ -138,6 +143,7 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
     from specserve.metrics import ServerMetrics, StatsLogger
     from specserve.server.app import build_app
     from specserve.server.async_engine import AsyncEngine, engine_executor
+    from specserve.server.connections import with_head_timeout
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -146,6 +152,11 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
         print(f"specserve serve: refusing to serve on {args.host} without an API key: set "
               "SPECSERVE_API_KEY (or --api-key), or bind to 127.0.0.1", file=sys.stderr)
         return 2
+    for flag in ("timeout_keep_alive", "timeout_request_head"):
+        if not getattr(args, flag) > 0:
+            print(f"specserve serve: --{flag.replace('_', '-')} must be more than 0 seconds",
+                  file=sys.stderr)
+            return 2
     executor = engine_executor()  # builds the engine and steps it: one thread for model work
     num_replicas = getattr(args, "data_parallel_size", 1)
     replicas = None
@@ -206,7 +217,7 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
     server = Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 5,
-        timeout_keep_alive=args.timeout_keep_alive))
+        timeout_keep_alive=args.timeout_keep_alive, http=with_head_timeout(args.timeout_request_head)))
 
     def engine_died(error: BaseException) -> None:
         logger.critical("the engine died (%r): exiting so that a supervisor restarts the "
