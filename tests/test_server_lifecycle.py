@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,9 +43,10 @@ def sse_events(r: httpx.Response) -> list[str]:
 @pytest.fixture(scope="module")
 def small_kv():
     """A 2,048-token context over a KV cache of 12 blocks (192 tokens), a 1 s grace period on
-    SIGTERM and 2 s for a request's head."""
+    SIGTERM, 2 s for a request's head and 2 s for its body."""
     proc = ServerProcess(["--max-model-len", "2048", "--num-blocks", "12", "--block-size", "16",
-                          "--shutdown-timeout", "1", "--timeout-request-head", "2"])
+                          "--shutdown-timeout", "1", "--timeout-request-head", "2",
+                          "--timeout-request-body", "2"])
     yield proc
     proc.stop()
 
@@ -66,7 +68,6 @@ def test_an_idle_connection_outlives_the_clients_own_idle_timeout(small_kv):
     """httpx (and so the openai client) reuses a pooled connection idle for up to 5 s; a server
     that closes idle connections at 5 s races it, and the request sent as it closes fails with
     a connection error. A request 6 s after the last one on the same connection gets its answer."""
-    import socket
     get = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
 
     def answer(sock: socket.socket) -> bytes:
@@ -90,24 +91,23 @@ def test_an_idle_connection_outlives_the_clients_own_idle_timeout(small_kv):
         assert answer(sock).startswith(b"HTTP/1.1 200")
 
 
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes `sock` within `seconds` (reading past any bytes of an earlier
+    response still unread)."""
+    sock.settimeout(seconds)
+    try:
+        data = sock.recv(4096)
+        while data:
+            data = sock.recv(4096)
+        return True
+    except TimeoutError:
+        return False
+
+
 def test_a_connection_that_sends_no_whole_request_head_is_closed(small_kv):
     """Connections that send nothing, half a request line, or half the next request after a
     response are closed once --timeout-request-head (2 s) has passed, while a request on
     another connection is answered; a whole request that was sent slowly within it is answered."""
-    import socket
-
-    def closed_within(sock: socket.socket, seconds: float) -> bool:
-        """Whether the server closes `sock` within `seconds` (reading past any bytes of an
-        earlier response still unread)."""
-        sock.settimeout(seconds)
-        try:
-            data = sock.recv(4096)
-            while data:
-                data = sock.recv(4096)
-            return True
-        except TimeoutError:
-            return False
-
     def connect() -> socket.socket:
         return socket.create_connection(("127.0.0.1", small_kv.port), timeout=10)
 
@@ -127,6 +127,34 @@ def test_a_connection_that_sends_no_whole_request_head_is_closed(small_kv):
         with sock:
             assert closed_within(sock, 6)
     slow.close()
+
+
+def test_a_request_whose_body_does_not_arrive_in_time_is_closed(small_kv):
+    """A request whose head announces a body that arrives only in part, or not at all, is closed
+    once --timeout-request-body (2 s) has passed, without an error in the server's log; a body
+    sent in two halves 1 s apart is answered, and so is a request on another connection."""
+    body = json.dumps(chat("Hi", max_tokens=1)).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+
+    def connect() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", small_kv.port), timeout=10)
+
+    no_body, part, slow = connect(), connect(), connect()
+    no_body.sendall(head)
+    part.sendall(head + body[:10])
+    slow.sendall(head + body[:10])
+    time.sleep(1)
+    slow.sendall(body[10:])
+    slow.settimeout(30)
+    assert slow.recv(4096).startswith(b"HTTP/1.1 200")
+    assert httpx.post(f"{small_kv.base_url}/v1/chat/completions", json=chat("Hi", max_tokens=1),
+                      timeout=30).status_code == 200
+    for sock in (no_body, part):
+        with sock:
+            assert closed_within(sock, 6)
+    slow.close()
+    assert "Traceback" not in small_kv.log()
 
 
 def test_zz_sigterm_ends_running_streams_cleanly_and_exits_0(small_kv):
@@ -201,7 +229,7 @@ def test_no_key_on_a_network_address_is_refused_at_start():
     assert "without an API key" in r.stderr
 
 
-@pytest.mark.parametrize("flag", ["--timeout-request-head", "--timeout-keep-alive"])
+@pytest.mark.parametrize("flag", ["--timeout-request-head", "--timeout-request-body", "--timeout-keep-alive"])
 def test_a_timeout_of_no_seconds_is_refused_at_start(flag):
     r = subprocess.run([sys.executable, "-m", "specserve.server", flag, "0"], capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120, cwd=str(REPO))

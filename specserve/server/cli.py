@@ -114,6 +114,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "connection opens (or its next request begins); slower connections "
                         "are closed, so that idle or half-sent ones cannot hold the server's "
                         "sockets")
+    s.add_argument("--timeout-request-body", type=float, default=60.0,
+                   help="seconds a client has to send a request's whole body once its head "
+                        "arrived; slower connections are closed, so that bodies sent a few "
+                        "bytes at a time cannot hold the server's sockets")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", dest="access_log", action="store_false")
@@ -143,7 +147,7 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
     from specserve.metrics import ServerMetrics, StatsLogger
     from specserve.server.app import build_app
     from specserve.server.async_engine import AsyncEngine, engine_executor
-    from specserve.server.connections import with_head_timeout
+    from specserve.server.connections import with_deadlines
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -152,7 +156,7 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
         print(f"specserve serve: refusing to serve on {args.host} without an API key: set "
               "SPECSERVE_API_KEY (or --api-key), or bind to 127.0.0.1", file=sys.stderr)
         return 2
-    for flag in ("timeout_keep_alive", "timeout_request_head"):
+    for flag in ("timeout_keep_alive", "timeout_request_head", "timeout_request_body"):
         if not getattr(args, flag) > 0:
             print(f"specserve serve: --{flag.replace('_', '-')} must be more than 0 seconds",
                   file=sys.stderr)
@@ -217,7 +221,8 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
     server = Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 5,
-        timeout_keep_alive=args.timeout_keep_alive, http=with_head_timeout(args.timeout_request_head)))
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=with_deadlines(args.timeout_request_head, args.timeout_request_body)))
 
     def engine_died(error: BaseException) -> None:
         logger.critical("the engine died (%r): exiting so that a supervisor restarts the "
