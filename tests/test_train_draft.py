@@ -127,3 +127,20 @@ def test_train_draft_an_eagle3_head(tmp_path):
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in plain]
     assert spec.engine.stats.spec_num_drafts > 0
+
+
+def test_eval_draft_measures_several_heads_on_a_split_of_the_load_prompts(capsys):
+    """eval_draft: one plain reference, then each head in turn (`shipped` or a directory) on
+    the first prompts of bench load's held-out split; every head's output equals plain's."""
+    from specserve.spec_decode.eagle import DEFAULT_EAGLE_DIR
+    from specserve.spec_decode.training import eval_draft
+
+    eval_draft.main(["--head", "shipped", str(DEFAULT_EAGLE_DIR), "--m", "4", "--depth", "2", "--topk", "2",
+                     "--tokens", "8", "--prompts", "heldout", "--num-prompts", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    plain = [line for line in lines if line.startswith("plain greedy:")]
+    assert len(plain) == 1 and "for 2 x 8 tokens" in plain[0]
+    heads = [line for line in lines if line.startswith("eagle [")]
+    assert len(heads) == 2 and heads[0].startswith("eagle [shipped] m=4 depth=2 topk=2:")
+    assert heads[1].startswith(f"eagle [{DEFAULT_EAGLE_DIR}]")
+    assert all(line.endswith("equal to plain: True") for line in heads)
