@@ -129,6 +129,7 @@ def test_train_draft_an_eagle3_head(tmp_path):
     assert spec.engine.stats.spec_num_drafts > 0
 
 
+@pytest.mark.slow  # three engines of the default model: make test-all
 def test_eval_draft_measures_several_heads_on_a_split_of_the_load_prompts(capsys):
     """eval_draft: one plain reference, then each head in turn (`shipped` or a directory) on
     the first prompts of bench load's held-out split; every head's output equals plain's."""

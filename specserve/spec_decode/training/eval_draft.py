@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--topk", type=int, default=4, help="eagle only")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--prompts", choices=["own", "heldout", "dev"], default="own",
-                   help="own: the eight above; heldout / dev: that split of bench load's prompts")
+                   help="own: eight prompts written for this check; heldout / dev: that split of "
+                        "bench load's prompts")
     p.add_argument("--num-prompts", type=int, default=None, help="the first N of them")
     args = p.parse_args(argv)
     heads = [None if h in (None, "shipped") else h for h in args.head]
