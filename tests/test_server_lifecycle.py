@@ -91,6 +91,10 @@ def test_an_idle_connection_outlives_the_clients_own_idle_timeout(small_kv):
         assert answer(sock).startswith(b"HTTP/1.1 200")
 
 
+def connect(server: ServerProcess) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+
+
 def closed_within(sock: socket.socket, seconds: float) -> bool:
     """Whether the server closes `sock` within `seconds` (reading past any bytes of an earlier
     response still unread)."""
@@ -108,10 +112,7 @@ def test_a_connection_that_sends_no_whole_request_head_is_closed(small_kv):
     """Connections that send nothing, half a request line, or half the next request after a
     response are closed once --timeout-request-head (2 s) has passed, while a request on
     another connection is answered; a whole request that was sent slowly within it is answered."""
-    def connect() -> socket.socket:
-        return socket.create_connection(("127.0.0.1", small_kv.port), timeout=10)
-
-    silent, half, next_half, slow = connect(), connect(), connect(), connect()
+    silent, half, next_half, slow = (connect(small_kv) for _ in range(4))
     half.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     next_half.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     next_half.settimeout(10)
@@ -137,10 +138,7 @@ def test_a_request_whose_body_does_not_arrive_in_time_is_closed(small_kv):
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
 
-    def connect() -> socket.socket:
-        return socket.create_connection(("127.0.0.1", small_kv.port), timeout=10)
-
-    no_body, part, slow = connect(), connect(), connect()
+    no_body, part, slow = (connect(small_kv) for _ in range(3))
     no_body.sendall(head)
     part.sendall(head + body[:10])
     slow.sendall(head + body[:10])
