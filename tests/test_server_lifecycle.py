@@ -20,6 +20,7 @@ import pytest
 from tests.server_fixtures import REPO, ServerProcess, default_model_args
 
 MODEL = "smollm2-135m-instruct"
+GET = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 
 def fault_server(args: list[str]) -> ServerProcess:
@@ -43,10 +44,10 @@ def sse_events(r: httpx.Response) -> list[str]:
 @pytest.fixture(scope="module")
 def small_kv():
     """A 2,048-token context over a KV cache of 12 blocks (192 tokens), a 1 s grace period on
-    SIGTERM, 2 s for a request's head and 2 s for its body."""
+    SIGTERM, 2 s for a request's head and 2 s for its body, 8 connections per client."""
     proc = ServerProcess(["--max-model-len", "2048", "--num-blocks", "12", "--block-size", "16",
                           "--shutdown-timeout", "1", "--timeout-request-head", "2",
-                          "--timeout-request-body", "2"])
+                          "--timeout-request-body", "2", "--max-connections-per-client", "8"])
     yield proc
     proc.stop()
 
@@ -68,31 +69,31 @@ def test_an_idle_connection_outlives_the_clients_own_idle_timeout(small_kv):
     """httpx (and so the openai client) reuses a pooled connection idle for up to 5 s; a server
     that closes idle connections at 5 s races it, and the request sent as it closes fails with
     a connection error. A request 6 s after the last one on the same connection gets its answer."""
-    get = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
-
-    def answer(sock: socket.socket) -> bytes:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(4096)
-            assert chunk, "the server closed the connection"
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length")))
-        while len(body) < length:
-            body += sock.recv(4096)
-        return head
-
-    with socket.create_connection(("127.0.0.1", small_kv.port), timeout=30) as sock:
-        sock.sendall(get)
-        assert answer(sock).startswith(b"HTTP/1.1 200")
+    with connect(small_kv) as sock:
+        sock.sendall(GET)
+        assert answer(sock)[0].startswith(b"HTTP/1.1 200")
         time.sleep(6)
-        sock.sendall(get)
-        assert answer(sock).startswith(b"HTTP/1.1 200")
+        sock.sendall(GET)
+        assert answer(sock)[0].startswith(b"HTTP/1.1 200")
 
 
-def connect(server: ServerProcess) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+def connect(server: ServerProcess, source: str = "127.0.0.1") -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=10, source_address=(source, 0))
+
+
+def answer(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The next response on `sock`: its head and its body (of its Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the connection"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head, body
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -114,7 +115,7 @@ def test_a_connection_that_sends_no_whole_request_head_is_closed(small_kv):
     another connection is answered; a whole request that was sent slowly within it is answered."""
     silent, half, next_half, slow = (connect(small_kv) for _ in range(4))
     half.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-    next_half.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    next_half.sendall(GET)
     next_half.settimeout(10)
     assert next_half.recv(4096).startswith(b"HTTP/1.1 200")
     next_half.sendall(b"GET /health HT")
@@ -152,6 +153,38 @@ def test_a_request_whose_body_does_not_arrive_in_time_is_closed(small_kv):
         with sock:
             assert closed_within(sock, 6)
     slow.close()
+    assert "Traceback" not in small_kv.log()
+
+
+def test_a_client_past_its_connection_cap_gets_429_while_others_are_served(small_kv):
+    """A client (127.0.0.1) holding --max-connections-per-client (8) kept-alive connections gets
+    HTTP 429 with an OpenAI-style error body on the next and that one is closed; another client
+    (127.0.0.2) is served meanwhile, and once one of the 8 closes the first is served again."""
+    time.sleep(0.5)  # (connections of the tests before have been closed by then)
+    held = [connect(small_kv) for _ in range(8)]
+    for sock in held:  # each served: a kept-alive connection, idle between requests
+        sock.sendall(GET)
+        assert answer(sock)[0].startswith(b"HTTP/1.1 200")
+    with connect(small_kv) as extra:
+        head, body = answer(extra)
+        assert head.startswith(b"HTTP/1.1 429"), head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        assert closed_within(extra, 5)
+    with connect(small_kv, "127.0.0.2") as other:
+        other.sendall(GET)
+        assert answer(other)[0].startswith(b"HTTP/1.1 200")
+    held.pop().close()
+    deadline = time.monotonic() + 10
+    while True:  # (the server sees the close a moment later)
+        try:
+            if httpx.get(f"{small_kv.base_url}/health", timeout=10).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the freed connection was not counted as closed"
+        time.sleep(0.1)
+    for sock in held:
+        sock.close()
     assert "Traceback" not in small_kv.log()
 
 
@@ -232,3 +265,10 @@ def test_a_timeout_of_no_seconds_is_refused_at_start(flag):
     r = subprocess.run([sys.executable, "-m", "specserve.server", flag, "0"], capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120, cwd=str(REPO))
     assert r.returncode == 2 and f"{flag} must be more than 0 seconds" in r.stderr, r.stderr
+
+
+def test_a_negative_connection_cap_is_refused_at_start():
+    r = subprocess.run([sys.executable, "-m", "specserve.server", "--max-connections-per-client", "-1"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120,
+                       cwd=str(REPO))
+    assert r.returncode == 2 and "--max-connections-per-client must be 0 (no cap) or more" in r.stderr, r.stderr

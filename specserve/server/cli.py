@@ -118,6 +118,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds a client has to send a request's whole body once its head "
                         "arrived; slower connections are closed, so that bodies sent a few "
                         "bytes at a time cannot hold the server's sockets")
+    s.add_argument("--max-connections-per-client", type=int, default=None, metavar="N",
+                   help="open connections one client address may hold; past that a new one is "
+                        "answered with HTTP 429 and closed, so that one client cannot take the "
+                        "sockets every other needs (0: no cap; behind a proxy, whose address "
+                        "every connection has, size it for the proxy); default: a quarter of "
+                        "the process's open-file limit")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", dest="access_log", action="store_false")
@@ -147,7 +153,7 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
     from specserve.metrics import ServerMetrics, StatsLogger
     from specserve.server.app import build_app
     from specserve.server.async_engine import AsyncEngine, engine_executor
-    from specserve.server.connections import with_deadlines
+    from specserve.server.connections import default_max_per_client, http_protocol
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -161,6 +167,12 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
             print(f"specserve serve: --{flag.replace('_', '-')} must be more than 0 seconds",
                   file=sys.stderr)
             return 2
+    if args.max_connections_per_client is not None and args.max_connections_per_client < 0:
+        print("specserve serve: --max-connections-per-client must be 0 (no cap) or more",
+              file=sys.stderr)
+        return 2
+    per_client = (default_max_per_client() if args.max_connections_per_client is None
+                  else args.max_connections_per_client)
     executor = engine_executor()  # builds the engine and steps it: one thread for model work
     num_replicas = getattr(args, "data_parallel_size", 1)
     replicas = None
@@ -222,7 +234,7 @@ def run_server(args: argparse.Namespace, engine: Any = None) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level,
         access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 5,
         timeout_keep_alive=args.timeout_keep_alive,
-        http=with_deadlines(args.timeout_request_head, args.timeout_request_body)))
+        http=http_protocol(args.timeout_request_head, args.timeout_request_body, per_client)))
 
     def engine_died(error: BaseException) -> None:
         logger.critical("the engine died (%r): exiting so that a supervisor restarts the "

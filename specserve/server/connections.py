@@ -1,4 +1,5 @@
-"""HTTP/1.1 connections with deadlines on each request's head and body.
+"""HTTP/1.1 connections with deadlines on each request's head and body, and a cap on each
+client's open connections.
 
 uvicorn waits as long as a client likes for a request line and its headers, and for the body
 they announce: a client that opens connections and sends nothing, half a header, or a header
@@ -9,22 +10,48 @@ of the request's first bytes on a connection kept alive, and its whole body with
 `body_timeout` seconds of its head; else the connection is closed (a handler awaiting the body
 sees the client disconnect). Streamed responses and connections idle between requests
 (uvicorn's keep-alive timeout) are not timed by it.
+
+Deadlines bound how long a connection may stay idle, not how many one client opens: a client
+(one IP address) may hold at most `max_per_client` connections at once. The next one is
+answered at once with HTTP 429 and an OpenAI-style error body, and closed, while every other
+client's connections are served as before. Behind a proxy every connection comes from the
+proxy's address: size the cap for it (or turn it off) there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import resource
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+def default_max_per_client() -> int:
+    """A quarter of the process's open-file limit (at least 16): one client cannot take the
+    descriptors every other client's connections need."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 20) // 4)
 
 
 class DeadlineProtocol(H11Protocol):
     head_timeout = 60.0
     body_timeout = 60.0
+    max_per_client = 0  # 0: no cap
+    open_per_client: dict[str, int] = {}  # client address -> its open connections (per class)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._timer: asyncio.TimerHandle | None = None
+        peer = transport.get_extra_info("peername")
+        self._client = peer[0] if self.max_per_client and isinstance(peer, tuple) else None
+        if self._client is not None:
+            count = self.open_per_client.get(self._client, 0)
+            if count >= self.max_per_client:
+                self._client = None  # (not counted)
+                self._refuse(transport)
+                return
+            self.open_per_client[self._client] = count + 1
         self._arm_head()
 
     def data_received(self, data: bytes) -> None:
@@ -46,7 +73,23 @@ class DeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._client is not None:
+            left = self.open_per_client[self._client] - 1
+            if left:
+                self.open_per_client[self._client] = left
+            else:
+                del self.open_per_client[self._client]
+            self._client = None
         super().connection_lost(exc)
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        body = json.dumps({"error": {
+            "message": f"this client already has {self.max_per_client} open connections to the "
+                       "server (--max-connections-per-client); reuse or close one",
+            "type": "rate_limit_error", "param": None, "code": "too_many_connections"}}).encode()
+        transport.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+                        b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        transport.close()
 
     def _arm_head(self) -> None:
         self._arm(self.head_timeout, self.cycle, body=False)  # the cycle before the awaited head
@@ -67,7 +110,9 @@ class DeadlineProtocol(H11Protocol):
             self.transport.close()
 
 
-def with_deadlines(head_seconds: float, body_seconds: float) -> type[DeadlineProtocol]:
-    """The protocol class for uvicorn's `http=` with these deadlines."""
+def http_protocol(head_seconds: float, body_seconds: float, max_per_client: int) -> type[DeadlineProtocol]:
+    """The protocol class for uvicorn's `http=` with these deadlines and this cap (0: none),
+    counting its own connections."""
     return type("DeadlineProtocol", (DeadlineProtocol,),
-                {"head_timeout": head_seconds, "body_timeout": body_seconds})
+                {"head_timeout": head_seconds, "body_timeout": body_seconds,
+                 "max_per_client": max_per_client, "open_per_client": {}})
