@@ -26,6 +26,8 @@ import resource
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from specserve.server.openai_serving import APIError
+
 
 def default_max_per_client() -> int:
     """A quarter of the process's open-file limit (at least 16): one client cannot take the
@@ -83,10 +85,10 @@ class DeadlineProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def _refuse(self, transport: asyncio.Transport) -> None:
-        body = json.dumps({"error": {
-            "message": f"this client already has {self.max_per_client} open connections to the "
-                       "server (--max-connections-per-client); reuse or close one",
-            "type": "rate_limit_error", "param": None, "code": "too_many_connections"}}).encode()
+        body = json.dumps(APIError(
+            429, f"this client already has {self.max_per_client} open connections to the server "
+                 "(--max-connections-per-client); reuse or close one",
+            type="rate_limit_error", code="too_many_connections").body()).encode()
         transport.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
                         b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         transport.close()
