@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON, tl, triton  # noqa: F401 (HAS_TRITON re-exported)
-from ._triton import next_pow2
+from ._triton import EXACT_FP, next_pow2
 
 SILU_BLOCK = 1024
 
@@ -70,7 +70,8 @@ def rotary_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads
     cos, sin = (t if t.stride(1) == 1 else t.contiguous() for t in (cos, sin))
     half = head_dim // 2
     _rotary_kernel[(T, heads)](qkv, cos, sin, out, qkv.stride(0), cos.stride(0), sin.stride(0),
-                               out.stride(0), out.stride(1), HALF=half, HALF_P2=next_pow2(half), num_warps=1)
+                               out.stride(0), out.stride(1), HALF=half, HALF_P2=next_pow2(half), num_warps=1,
+                               **EXACT_FP)
     return out
 
 
@@ -93,7 +94,7 @@ def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     block = min(SILU_BLOCK, next_pow2(inter))
     _silu_mul_kernel[(T, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
-                                                      num_warps=4)
+                                                      num_warps=4, **EXACT_FP)
     return out
 
 

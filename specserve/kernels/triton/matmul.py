@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton  # noqa: F401 (HAS_TRITON re-exported)
+from ._triton import EXACT_FP, HAS_TRITON, tl, triton  # noqa: F401 (HAS_TRITON re-exported)
 
 # Output tile and depth of one tl.dot step: constants, the same for every M (what makes rows
 # invariant).  64 x 64 x 64 fits Hopper's wgmma (m64) and Ampere's mma with 4 warps, and its
@@ -188,7 +188,7 @@ def linear_invariant_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
     has_bias = bias is not None
     bias_arg = bias if has_bias else out  # never read
     consts = dict(HAS_BIAS=has_bias, SPLIT_K=split_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                  PRECISION=precision, UPCAST=upcast, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                  PRECISION=precision, UPCAST=upcast, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **EXACT_FP)
     if not split:
         grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), 1)
         _linear_kernel[grid](x, weight, bias_arg, out, out, M, N, K, x.stride(0), weight.stride(0),
@@ -199,7 +199,7 @@ def linear_invariant_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
     _linear_kernel[grid](x, weight, bias_arg, out, ws, M, N, K, x.stride(0), weight.stride(0),
                          FUSED=False, **consts)
     _linear_reduce_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
-        ws, bias_arg, out, M, N, num_partitions, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, num_warps=4,
+        ws, bias_arg, out, M, N, num_partitions, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, num_warps=4, **EXACT_FP,
     )
     return out
 

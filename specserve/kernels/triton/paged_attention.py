@@ -58,6 +58,7 @@ from typing import Optional
 import torch
 
 from ._triton import HAS_TRITON, tl, triton  # noqa: F401 (HAS_TRITON re-exported)
+from ._triton import EXACT_FP
 from ._triton import next_pow2 as _next_pow2
 
 LOG2E = 1.4426950408889634
@@ -417,7 +418,7 @@ def launch_paged_attn(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     meta = dict(GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_SIZE=block_size,
                 BLOCK_N=block_n, PARTITION=PARTITION_SIZE, TREE_MASK=tree_mask is not None,
                 PREFETCH=bool(tile.get("prefetch", False)),
-                num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+                num_warps=tile["num_warps"], num_stages=tile["num_stages"], **EXACT_FP)
     if not split:
         grid = (triton.cdiv(max_query_len, block_q), Hkv, B)
         _attn_fused_kernel[grid](out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, mask_arg,
@@ -433,7 +434,7 @@ def launch_paged_attn(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         out, seq_lens, query_start_loc, part_ml[0], part_ml[1], part_acc,
         out.stride(0), out.stride(1), out.stride(2), *pstr,
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=D, PARTITION=PARTITION_SIZE, LOAD_AHEAD=REDUCE_LOAD_AHEAD,
-        num_warps=1)
+        num_warps=1, **EXACT_FP)
     return out
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON, tl, triton  # noqa: F401 (HAS_TRITON re-exported)
-from ._triton import next_pow2
+from ._triton import EXACT_FP, next_pow2
 
 NUM_WARPS = 4
 
@@ -65,7 +65,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     r, t = (x, out) if residual is None else (residual, total)  # (never read / written without one)
     _rms_norm_kernel[(M,)](x, r, t, weight.contiguous(), out, N, x.stride(0), r.stride(0), t.stride(0),
                            out.stride(0), float(eps), HAS_RESIDUAL=residual is not None,
-                           BLOCK=next_pow2(N), num_warps=NUM_WARPS)
+                           BLOCK=next_pow2(N), num_warps=NUM_WARPS, **EXACT_FP)
     return out, total
 
 
