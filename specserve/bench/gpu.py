@@ -31,7 +31,7 @@ that a part which fails, hangs or poisons the CUDA context is recorded (status "
    verify step, outputs that differ from plain's, steps that ran eagerly or failed
    (each load timed after 16 tokens of the same requests, untimed: a run of a second must not
    carry a kernel's first compile), and each speculative method's steps profiled at one
-   request; then, at the most in flight,
+   request; then, at each load above one request,
    each method's decode steps cut into the engine's phases (forward, drafting, verification,
    the rest), each synchronised. Skipped, with the reason, when the model's package or `gguf`
    is missing.
@@ -1041,9 +1041,9 @@ def _part_real(s: dict, work: Path, rec: _Recorder) -> None:
                 if spec is not None:  # where a speculating step's time goes, one request alone
                     row["profile_c1"] = _profile(llm.engine, prompts[0]["prompt_token_ids"], 12, cuda, sync, torch)
                     rec.put("real_model", key, row)
-                top = max(conc)  # and at the most in flight: the engine's phases, synchronised
-                row[f"phases_c{top}"] = _phases(llm, prompts[:top], params, sync)
-                rec.put("real_model", key, row)
+                for c in (c for c in conc if c > 1):  # and under load: the engine's phases, synchronised
+                    row[f"phases_c{c}"] = _phases(llm, prompts[:c], params, sync)
+                    rec.put("real_model", key, row)
                 del llm
                 _free()
             except Exception as e:
