@@ -78,7 +78,8 @@ for kernel, args, kwargs in launches:
     ptx = triton_compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                          options=options).asm["ptx"]
     fusable = sorted({m.group(0) for m in FLOAT_OP.finditer(ptx) if ".rn" not in m.group(0)})
-    key = kernel.fn.__name__ + ("[" + ",".join(f"{k}={v}" for k, v in constexprs.items() if k in ("TREE_MASK", "FUSED")) + "]")
+    form = ",".join(f"{k}={v}" for k, v in constexprs.items() if k in ("TREE_MASK", "FUSED"))
+    key = f"{kernel.fn.__name__}[{form}]"
     report[key] = {"fusable": fusable, "options": {k: str(v) for k, v in options.items()}}
 json.dump(report, sys.stdout)
 '''
