@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from specserve.spec_decode.cost_model import (LOOKUP_ONLY, MIN_SAMPLES, PLAIN, PLAIN_SAMPLE_EVERY, PROBE_AFTER,
-                                              PROBE_RUN, SPEC, Curve,
+                                              PROBE_RUN, QUICK_RATIO, QUICK_SAMPLES, SPEC, Curve,
                                               PROBE_BUDGET, Realized, StepCostModel)
 from specserve.spec_decode.draft_tree import DraftTree
 from specserve.spec_decode.policy import AHEAD_MAX, FAIRNESS, PROBE_FIRST, ScoreCalibration, SpecPolicy
@@ -365,6 +365,27 @@ def test_probes_of_a_far_slower_speculation_cost_about_their_budget(monkeypatch)
     monkeypatch.setattr(Realized, "_affordable", staticmethod(lambda ratio: 0))  # the doubling alone
     assert near == run_realized(Realized(), 16, 1000, spec_cost=1.1)
     assert sum(run_realized(Realized(), 16, steps, spec_cost=2.7)[off:]) > 3 * sum(modes[off:])
+
+
+def test_a_far_slower_kind_is_judged_on_a_few_steps_and_probed_briefly():
+    """Steps with drafts at 2.2x plain's seconds per token (a GPU's graph-replayed plain step
+    against a step's host work and draft passes) are judged after QUICK_SAMPLES of them, wait
+    what their probes can afford before the first probe (not PROBE_AFTER) and probe in runs
+    of QUICK_SAMPLES + 1; a kind under QUICK_RATIO keeps the schedule of MIN_SAMPLES."""
+    modes = run_realized(Realized(), 64, 3000, spec_cost=2.2)
+    off = modes.index(False, 1)
+    assert off == 1 + QUICK_SAMPLES
+    runs, start = [], None
+    for i, on in enumerate(modes[off:] + [False], off):
+        if on and start is None:
+            start = i
+        elif not on and start is not None:
+            runs.append((start, i - start))
+            start = None
+    assert runs and {n for _, n in runs} == {QUICK_SAMPLES + 1}
+    assert runs[0][0] - off >= 0.95 * Realized._affordable(2.2) > 10 * PROBE_AFTER
+    near = run_realized(Realized(), 64, 100, spec_cost=0.95 * QUICK_RATIO)
+    assert near.index(False, 1) == 1 + MIN_SAMPLES and near[1 + MIN_SAMPLES + PROBE_AFTER - 1]
 
 
 def run_kinds(gate: Realized, steps: int, cost: dict[int, float], fallback: bool = True) -> list[int]:

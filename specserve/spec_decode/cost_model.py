@@ -31,6 +31,9 @@ PROBE_AFTER, PROBE_MAX, PROBE_RUN = 32, 128, 6  # plain steps before a speculati
 PROBE_BUDGET, PROBE_LONGEST = 0.01, 1024  # what probe runs may cost (a share of plain decoding's time,
 # by the loss last measured), and the most plain steps that stretches the wait to
 MIN_SAMPLES = 8  # speculative samples at a batch size before it can be judged slower
+QUICK_SAMPLES, QUICK_RATIO = 3, 2.0  # ... or this many, where a kind measures over this many times
+# plain's seconds per token (a GPU's graph-replayed step against a step's host work and draft
+# passes: 2-4x at 64 in flight on an H100); a CPU's one stalled step in three does not get there
 PLAIN_SAMPLE_EVERY = 64  # steps with speculation between two plain samples of Realized
 FIT_DECAY = 0.95  # per live step of a batch size: the weight of older steps in extra(B)'s fit
 FIT_RIDGE = 4.0  # rows^2 of spread in draft rows before a batch size's own slope outweighs its prior
@@ -328,19 +331,27 @@ class Realized:
 
     def _on(self, b: int, kind: int, plain: float) -> bool:
         """Whether steps of `kind` should run in bucket b: not yet judged, judged faster than
-        plain, or a probe run's turn."""
+        plain, or a probe run's turn. A kind measured far slower (QUICK_RATIO x plain per token
+        and more) is judged after QUICK_SAMPLES steps, waits as long as its probes can afford
+        before the first one, and probes in runs of QUICK_SAMPLES + 1 steps: where a step with
+        drafts costs several plain steps, eight samples of it and a run of six every 32 steps
+        would cost more than a short load's whole gain could repay."""
         seconds, tokens = self.spec.get((b, kind), (0.0, 0.0))
-        if tokens <= 0 or self.count[(b, kind)] < MIN_SAMPLES or seconds / tokens * (1 + self.margin) <= plain:
+        ratio = seconds / tokens / max(plain, 1e-12) if tokens > 0 else 0.0
+        far = ratio > QUICK_RATIO
+        if ratio * (1 + self.margin) <= 1 or self.count[(b, kind)] < (QUICK_SAMPLES if far else MIN_SAMPLES):
             self.off.pop((b, kind), None)
             return True
-        off = self.off.setdefault((b, kind), _Off())
+        off = self.off.get((b, kind))
+        if off is None:
+            off = self.off[(b, kind)] = _Off(interval=max(PROBE_AFTER, self._affordable(ratio)) if far else PROBE_AFTER)
         if off.run:  # inside a probe run
             off.run -= 1
             return True
         off.waited += 1
         if off.waited >= off.interval:  # start a probe run (its first step re-warms the proposer)
-            off.waited, off.interval, off.run = 0, max(min(PROBE_MAX, 2 * off.interval),
-                                                       self._affordable(seconds / tokens / plain)), PROBE_RUN - 1
+            off.waited, off.interval = 0, max(min(PROBE_MAX, 2 * off.interval), self._affordable(ratio))
+            off.run = (QUICK_SAMPLES + 1 if far else PROBE_RUN) - 1
             return True
         return False
 
