@@ -371,6 +371,34 @@ def test_a_gated_off_head_adds_no_work(tmp_path):
         assert all(passes[at][0] == 4 for at in active[1:])
 
 
+def test_a_head_gated_off_for_long_is_shown_no_features_until_its_probe_nears(tmp_path):
+    """While steps with the head measured slower and its next probe is further off than its
+    catch-up window (Realized.quiet), decode steps show it no features; the window's steps
+    before the probe do (a prefill always does), so the probe's catch-up runs the pairs since
+    then, as it would have run the last `window` pairs; output stays exact."""
+    longer = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ref = greedy_ids(tiny_llm(tmp_path), PROMPTS[:1], longer)
+    config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "lookup_branch": 0,
+              "quantization": "none"}
+    llm = tiny_llm(tmp_path, config)
+    spec, probe, window = llm.engine.spec, 30, 4
+    passes = _count_head_passes(llm, window=window)  # (counts engine steps too)
+    spec.policy.draft_pays = lambda *args: True
+    shown, observe = [], spec.proposer.observe
+    spec.proposer.observe = lambda *args: (shown.append(len(passes) - 1), observe(*args))
+
+    def quiet(batch, steps):
+        assert steps == window
+        return probe - (len(passes) - 1) > steps
+    spec.policy.realized.quiet = quiet
+    spec.policy.realized.speculate = lambda batch, fallback=False: SPEC if len(passes) - 1 >= probe else PLAIN
+    assert greedy_ids(llm, PROMPTS[:1], longer) == ref
+    assert shown[0] == 0 and not any(0 < s < probe - window for s in shown)  # the prefill, then none
+    assert set(range(probe - window, len(passes))) <= set(shown)
+    first = next(i for i, p in enumerate(passes) if p)
+    assert first == probe and passes[first][0] == window + 1  # the catch-up: the pairs of the steps shown
+
+
 def test_the_head_lets_go_of_the_features_it_has_run(tmp_path):
     """A feature is read once, when its pair goes through the head (the last pair may be run
     again after a rollback): a long generation keeps a few per request, not one per token, and

@@ -388,6 +388,27 @@ def test_a_far_slower_kind_is_judged_on_a_few_steps_and_probed_briefly():
     assert near.index(False, 1) == 1 + MIN_SAMPLES and near[1 + MIN_SAMPLES + PROBE_AFTER - 1]
 
 
+def test_quiet_while_the_next_probe_is_further_off_than_the_features_needed():
+    """Realized.quiet(batch, n): SPEC measured slower at that batch size, no probe run under
+    way and the next one more than n steps off; never for another batch size, nor once a new
+    batch is to be probed at once."""
+    gate = Realized()
+    run_realized(gate, 64, 1 + MIN_SAMPLES + 1, spec_cost=1.1)  # off: the first probe after PROBE_AFTER
+    assert not gate.quiet(64, PROBE_AFTER) and not gate.quiet(1, 8) and not Realized().quiet(64, 8)
+    quiet, modes = [], []
+    for _ in range(PROBE_AFTER + 4):
+        quiet.append(gate.quiet(64, 8))
+        modes += run_realized(gate, 64, 1, spec_cost=1.1)
+    probe = modes.index(True)
+    # features shown in the 8 steps up to the probe's (a step shows its features, then drafts)
+    assert quiet[:probe - 7] == [True] * (probe - 7) and not any(quiet[probe - 7:])
+    far = Realized()
+    run_realized(far, 64, 1 + QUICK_SAMPLES + 1, spec_cost=3.0)
+    assert far.quiet(64, 32) and not far.quiet(64, 2000)  # its first probe ~1000 steps off
+    far.new_requests(64, 64)
+    assert not far.quiet(64, 32)
+
+
 def run_kinds(gate: Realized, steps: int, cost: dict[int, float], fallback: bool = True) -> list[int]:
     """Drive the gate at batch 1 with steps of each kind at cost[kind] seconds per token
     (relative to plain's 1 s), no kind re-warming anything."""

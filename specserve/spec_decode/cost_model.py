@@ -355,6 +355,15 @@ class Realized:
             return True
         return False
 
+    def quiet(self, batch: int, steps: int) -> bool:
+        """Whether steps with the per-request proposer (SPEC) measured slower at this batch size
+        and will not run in its next `steps` steps: no probe run under way, the next one further
+        off (a new batch probes at once, `new_requests`: this turns False then). The decoder
+        shows such a proposer no features meanwhile (it needs `steps` of them to draft again as
+        it would have: EAGLE's catch-up window)."""
+        off = self.off.get((self.bucket(batch), SPEC))
+        return off is not None and not off.run and off.interval - off.waited > steps
+
     @staticmethod
     def _affordable(ratio: float) -> int:
         """Plain steps between probe runs that keep their cost within PROBE_BUDGET of plain

@@ -134,9 +134,18 @@ class SpecDecoder:
             self._logprobs(reqs, live, trees, verdict.accepted, step, results)
         self._slowdown = 1.0
         self._step = (sched.decode_only, len(sched), sum(len(r[0]) for r in results if r is not None))
-        if self.proposer is not None and self.proposer.needs_hidden:
+        if self.proposer is not None and self.proposer.needs_hidden and not self._quiet(sched):
             self._show_features(sched, step, live, verdict.accepted if verdict else [])
         return results
+
+    def _quiet(self, sched: SchedulerOutput) -> bool:
+        """Whether this step's features can go unseen: a decode-only step (a prefill chunk's
+        features, a new request's prompt, are always shown) at a batch size where the proposer's
+        steps measured slower and its next probe is further off than the features it needs to
+        draft as it would have (`feature_steps`; cost_model.Realized.quiet). At 64 in flight
+        on an H100 showing them cost ~0.5 ms of host work a step against a 5.3 ms plain step."""
+        return (self.policy.adaptive and sched.decode_only
+                and self.policy.realized.quiet(len(sched), self.proposer.feature_steps))
 
     def _target(self, logits: torch.Tensor, reqs: list[Request], trees: list[DraftTree], starts: list[int]):
         """The verify target of every row (specserve.sampling.verify_targets), after the

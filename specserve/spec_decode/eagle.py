@@ -118,6 +118,12 @@ class EagleProposer:
                        DeviceGrowth(self.draft, self._lm_head, self.d2t, self.embed, self.depth, self.topk,
                                     graphs=mode == "graphs"))
 
+    @property
+    def feature_steps(self) -> int:
+        """Features a probe after a long pause needs: its catch-up runs the last `window` pairs
+        (a cache restarted at a gap in what it was shown runs as many, from the gap on)."""
+        return self.window
+
     def _new_kv(self):
         return HeadKV() if self.pool is None else self.pool.new()
 

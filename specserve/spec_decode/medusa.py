@@ -49,6 +49,7 @@ class MedusaProposer:
 
     name = "medusa"
     needs_hidden = True
+    feature_steps = 1  # (the feature of the token before the pending one)
     costs_per_request = True
 
     def __init__(self, target_model, heads_dir, num_speculative_tokens: int = DEFAULT_DRAFTS["medusa"],
