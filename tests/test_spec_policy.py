@@ -409,6 +409,27 @@ def test_quiet_while_the_next_probe_is_further_off_than_the_features_needed():
     assert not far.quiet(64, 32)
 
 
+def test_a_larger_batch_starts_from_a_smaller_ones_far_verdict():
+    """A batch size above 4 with no samples of a kind takes the nearest smaller one's verdict
+    where that was far slower (a GPU: 3x at 16 in flight): it starts off, quiet, and probes
+    after what its probes can afford; never from a near verdict, a larger batch size's, or
+    batches of 4 and fewer."""
+    gate = Realized()
+    run_realized(gate, 16, 1 + QUICK_SAMPLES + 1, spec_cost=3.0)
+    modes = run_realized(gate, 64, 1100, spec_cost=3.0)
+    assert not any(modes[:1000])
+    # one probe, until its own QUICK_SAMPLES judge it
+    assert 0 < modes.count(True) <= QUICK_SAMPLES + 1 and modes.index(True) >= Realized._affordable(3.0)
+    fresh = Realized()
+    run_realized(fresh, 16, 1 + QUICK_SAMPLES + 1, spec_cost=3.0)
+    run_realized(fresh, 64, 2, spec_cost=3.0)
+    assert fresh.quiet(64, 32)
+    for batch, cost, other in ((16, 1.3, 64), (64, 3.0, 16), (4, 3.0, 64)):
+        gate = Realized()
+        run_realized(gate, batch, 1 + MIN_SAMPLES + 1, spec_cost=cost)
+        assert run_realized(gate, other, 2, spec_cost=cost)[1]  # speculates: samples of its own
+
+
 def run_kinds(gate: Realized, steps: int, cost: dict[int, float], fallback: bool = True) -> list[int]:
     """Drive the gate at batch 1 with steps of each kind at cost[kind] seconds per token
     (relative to plain's 1 s), no kind re-warming anything."""

@@ -335,11 +335,16 @@ class Realized:
         and more) is judged after QUICK_SAMPLES steps, waits as long as its probes can afford
         before the first one, and probes in runs of QUICK_SAMPLES + 1 steps: where a step with
         drafts costs several plain steps, eight samples of it and a run of six every 32 steps
-        would cost more than a short load's whole gain could repay."""
+        would cost more than a short load's whole gain could repay. A batch size with no samples
+        of the kind starts from a smaller one's far verdict (`_inherited`)."""
         seconds, tokens = self.spec.get((b, kind), (0.0, 0.0))
-        ratio = seconds / tokens / max(plain, 1e-12) if tokens > 0 else 0.0
-        far = ratio > QUICK_RATIO
-        if ratio * (1 + self.margin) <= 1 or self.count[(b, kind)] < (QUICK_SAMPLES if far else MIN_SAMPLES):
+        if tokens > 0:
+            ratio = seconds / tokens / max(plain, 1e-12)
+            far = ratio > QUICK_RATIO
+            judged = self.count[(b, kind)] >= (QUICK_SAMPLES if far else MIN_SAMPLES)
+        else:  # no samples here (or none of this batch's requests): a smaller batch's far verdict
+            ratio, far, judged = self._inherited(b, kind), True, True
+        if ratio * (1 + self.margin) <= 1 or not judged:
             self.off.pop((b, kind), None)
             return True
         off = self.off.get((b, kind))
@@ -354,6 +359,22 @@ class Realized:
             off.run = (QUICK_SAMPLES + 1 if far else PROBE_RUN) - 1
             return True
         return False
+
+    def _inherited(self, b: int, kind: int) -> float:
+        """The far verdict a bucket with no samples of `kind` starts from: the ratio measured at
+        the nearest smaller batch size above 4 where the kind was judged, if it was far slower
+        there (else 0: not judged). On a GPU a step's host work grows with its requests while
+        a graph-replayed forward barely does, so a kind far slower at 16 in flight is slower
+        at 64, and a wave of 64 new requests would otherwise pay its samples again; on a CPU
+        no kind is far slower, and nothing is inherited."""
+        donors = [k for (k, arm) in self.spec if arm == kind and 100 < k < b
+                  and self.count[(k, arm)] >= QUICK_SAMPLES and self.spec[(k, arm)][1] > 0]
+        if b <= 100 or not donors:
+            return 0.0
+        k = max(donors)
+        seconds, tokens = self.spec[(k, kind)]
+        ratio = seconds / tokens / max(self.plain.get(k, 1.0), 1e-12)
+        return ratio if ratio > QUICK_RATIO else 0.0
 
     def quiet(self, batch: int, steps: int) -> bool:
         """Whether steps with the per-request proposer (SPEC) measured slower at this batch size
