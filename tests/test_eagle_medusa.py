@@ -374,8 +374,8 @@ def test_a_gated_off_head_adds_no_work(tmp_path):
 def test_a_head_gated_off_for_long_is_shown_no_features_until_its_probe_nears(tmp_path):
     """While steps with the head measured slower and its next probe is further off than its
     catch-up window (Realized.quiet), decode steps show it no features; the window's steps
-    before the probe do (a prefill always does), so the probe's catch-up runs the pairs since
-    then, as it would have run the last `window` pairs; output stays exact."""
+    before the probe do (a prefill always does), so the probe's catch-up runs the last
+    `window` pairs, as it would have; output stays exact."""
     longer = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     ref = greedy_ids(tiny_llm(tmp_path), PROMPTS[:1], longer)
     config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "lookup_branch": 0,
@@ -383,6 +383,7 @@ def test_a_head_gated_off_for_long_is_shown_no_features_until_its_probe_nears(tm
     llm = tiny_llm(tmp_path, config)
     spec, probe, window = llm.engine.spec, 30, 4
     passes = _count_head_passes(llm, window=window)  # (counts engine steps too)
+    spec.proposer.prompt_window = window  # (the features a first pass reads: feature_steps)
     spec.policy.draft_pays = lambda *args: True
     shown, observe = [], spec.proposer.observe
     spec.proposer.observe = lambda *args: (shown.append(len(passes) - 1), observe(*args))
@@ -396,7 +397,28 @@ def test_a_head_gated_off_for_long_is_shown_no_features_until_its_probe_nears(tm
     assert shown[0] == 0 and not any(0 < s < probe - window for s in shown)  # the prefill, then none
     assert set(range(probe - window, len(passes))) <= set(shown)
     first = next(i for i, p in enumerate(passes) if p)
-    assert first == probe and passes[first][0] == window + 1  # the catch-up: the pairs of the steps shown
+    assert first == probe and passes[first][0] == window  # the catch-up: the last `window` pairs, as after a gap
+
+
+def test_a_request_whose_gate_is_off_is_shown_no_features_until_its_probe_nears(tmp_path):
+    """A request whose own gate has the head off (it never pays) and whose next probe is
+    further off than the features a probe needs is shown none; the steps up to each probe
+    are, and every probe's catch-up runs the last `window` pairs; output stays exact."""
+    longer = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    ref = greedy_ids(tiny_llm(tmp_path), PROMPTS[:1], longer)
+    config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "lookup_branch": 0,
+              "quantization": "none"}
+    llm = tiny_llm(tmp_path, config)
+    passes, spec = _count_head_passes(llm, window=4), llm.engine.spec
+    spec.proposer.prompt_window = 4
+    spec.policy.realized.margin = -0.99  # never off as a whole: the request's own probes
+    shown, observe = set(), spec.proposer.observe
+    spec.proposer.observe = lambda *args: (shown.add(len(passes) - 1), observe(*args))
+    assert greedy_ids(llm, PROMPTS[:1], longer) == ref
+    probes = [i for i, p in enumerate(passes) if p]
+    assert len(probes) >= 3 and all(passes[at][0] == 4 for at in probes)
+    assert all(set(range(at - 3, at + 1)) <= shown for at in probes)  # (a step shows, then drafts)
+    assert len(set(range(len(passes))) - shown) > len(passes) // 3  # most steps between probes unseen
 
 
 def test_the_head_lets_go_of_the_features_it_has_run(tmp_path):

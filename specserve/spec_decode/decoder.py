@@ -5,7 +5,8 @@ Every engine has one, speculating or not. Per step:
     its last committed token; then the drafts the scheduler kept), None for chains;
   * `sample_and_verify(sched, step)`: every row of every request in one batched call of
     specserve.sampling.verify_trees (no drafts: plain sampling); accepted paths' KV moved into
-    place in one call per layer; the proposer shown the new target features; the policy
+    place in one call per layer; the proposer shown the new target features (but those it will
+    not need: `_unseen`); the policy
     learns from what was accepted;
   * `propose(running)`: drafts for the next step: a proposer with a cost per request where the
     policy says it pays, prompt lookup (grafted onto every tree) for every request; then the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import torch
 
@@ -134,18 +136,29 @@ class SpecDecoder:
             self._logprobs(reqs, live, trees, verdict.accepted, step, results)
         self._slowdown = 1.0
         self._step = (sched.decode_only, len(sched), sum(len(r[0]) for r in results if r is not None))
-        if self.proposer is not None and self.proposer.needs_hidden and not self._quiet(sched):
+        if self.proposer is not None and self.proposer.needs_hidden:
             self._show_features(sched, step, live, verdict.accepted if verdict else [])
         return results
 
-    def _quiet(self, sched: SchedulerOutput) -> bool:
-        """Whether this step's features can go unseen: a decode-only step (a prefill chunk's
-        features, a new request's prompt, are always shown) at a batch size where the proposer's
-        steps measured slower and its next probe is further off than the features it needs to
-        draft as it would have (`feature_steps`; cost_model.Realized.quiet). At 64 in flight
-        on an H100 showing them cost ~0.5 ms of host work a step against a 5.3 ms plain step."""
-        return (self.policy.adaptive and sched.decode_only
-                and self.policy.realized.quiet(len(sched), self.proposer.feature_steps))
+    def _unseen(self, sched: SchedulerOutput) -> Callable[[Request], bool]:
+        """Which decode rows' features can go unseen this step: those of requests the proposer
+        will not draft for within the features it needs to draft as it would have
+        (`feature_steps`): every request where the batch size's steps with it measured slower
+        and its next probe is further off (cost_model.Realized.quiet), else each request whose
+        own gate is off and its next probe further off. A prefill chunk's features (a new
+        request's prompt) are always shown. At 64 in flight on an H100 showing them cost ~0.5 ms
+        of host work a step against a 5.3 ms plain step."""
+        if not self.policy.adaptive:
+            return lambda req: False
+        horizon = self.proposer.feature_steps
+        if self.policy.realized.quiet(len(sched), horizon):
+            return lambda req: True
+        states = self.states
+
+        def gated_off(req: Request) -> bool:
+            state = states.get(req.request_id)
+            return state is not None and not state.gate.on and state.gate.interval - state.gate.idle > horizon
+        return gated_off
 
     def _target(self, logits: torch.Tensor, reqs: list[Request], trees: list[DraftTree], starts: list[int]):
         """The verify target of every row (specserve.sampling.verify_targets), after the
@@ -214,9 +227,12 @@ class SpecDecoder:
     def _show_features(self, sched, step: StepLogits, live: list[int], accepted: list[list[int]]) -> None:
         """The target features of every newly computed committed token: prefill chunks, roots
         and accepted paths."""
-        paths = dict(zip(live, accepted))
+        paths, unseen = dict(zip(live, accepted)), self._unseen(sched)
         index, ids, starts, sizes, off = [], [], [], [], 0
         for i, (req, n, k) in enumerate(zip(sched.requests, sched.num_tokens, sched.num_drafts)):
+            if n - k == 1 and req.num_output_tokens and unseen(req):  # a decode row it will not need
+                off += n
+                continue
             # (mid-prefill: no drafts, no path, every row committed)
             committed = list(range(off, off + n - k)) + [off + n - k + node for node in paths.get(i, ())]
             index += committed
@@ -227,9 +243,11 @@ class SpecDecoder:
         # [off, hidden]: every row of the step (then the aux layers' outputs, which the model
         # returns only for a proposer that reads them: methods.aux_layers)
         hidden = step.features
-        if len(index) < off:  # drafts not accepted
+        if not index:
+            return
+        if len(index) < off:  # drafts not accepted, or rows unseen
             # index is increasing: a run of rows (first-choice paths accepted) is a view
-            first = index[0]  # (every scheduled request commits at least one token)
+            first = index[0]
             hidden = (hidden[first:first + len(index)] if index[-1] - first == len(index) - 1
                       else hidden.index_select(0, int_tensor(index, hidden.device)))
         self.proposer.observe(ids, starts, sizes, hidden)

@@ -61,6 +61,7 @@ class _HeadCache:
     kv: object = field(default_factory=HeadKV)  # head K/V (HeadKV, PooledKV): the committed pairs, then a tree
     pairs: int = 0  # P: committed pairs in kv
     last_out: torch.Tensor | None = None  # [hidden] head output of pair P - 1 (f_hat_P)
+    ran: bool = False  # the head has run pairs of this request (kept on a restart): catch-ups read `window`
 
 
 @dataclass
@@ -120,9 +121,10 @@ class EagleProposer:
 
     @property
     def feature_steps(self) -> int:
-        """Features a probe after a long pause needs: its catch-up runs the last `window` pairs
-        (a cache restarted at a gap in what it was shown runs as many, from the gap on)."""
-        return self.window
+        """Features a probe after a pause needs to draft as it would have: its catch-up runs
+        the last `window` pairs (`prompt_window` where the head never ran for the request); a
+        cache restarted at a gap in what it was shown runs as many, from the gap on."""
+        return max(self.window, self.prompt_window)
 
     def _new_kv(self):
         return HeadKV() if self.pool is None else self.pool.new()
@@ -138,16 +140,18 @@ class EagleProposer:
         for rid, start, n in zip(request_ids, starts, sizes):
             c = self.cache.get(rid)
             if c is None or not c.base + c.dropped <= start <= c.base + len(c.feats):
-                # new, a gap (prefix-cache hit: the target never computed those features), or
-                # a rollback past the features already let go
-                c = self.cache[rid] = _HeadCache(base=start, kv=self._new_kv())
+                # new, a gap (prefix-cache hit: the target never computed those features; steps
+                # whose features the decoder did not show), or a rollback past the features
+                # already let go; a request the head has run for catches up as after a long
+                # gap then (its last `window` pairs), one it never has as over a prompt
+                c = self.cache[rid] = _HeadCache(base=start, kv=self._new_kv(), ran=c is not None and c.ran)
             del c.feats[start - c.base:]
             if c.pairs > start - c.base:
                 c.pairs, c.last_out = start - c.base, None
             c.feats.extend(rows[end:end + n])
             end += n
             # the next catch-up reads at most the last `window` (a gap longer than that restarts)
-            _let_go(c, len(c.feats) - (self.window if c.pairs else self.prompt_window))
+            _let_go(c, len(c.feats) - (self.window if c.pairs or c.ran else self.prompt_window))
 
     def free(self, request_id: str) -> None:
         self.cache.pop(request_id, None)
@@ -160,7 +164,7 @@ class EagleProposer:
             n = len(tokens) - 1 - c.base  # pairs up to the last committed token
             if c.pairs == n and c.last_out is not None:
                 continue
-            window = self.window if c.pairs else self.prompt_window
+            window = self.window if c.pairs or c.ran else self.prompt_window
             if n - c.pairs > window:  # a long gap since its last run, or a long prompt: the last ones
                 cut = n - window
                 c.base, c.feats, c.dropped, c.kv = c.base + cut, c.feats[cut:], 0, self._new_kv()
@@ -177,7 +181,7 @@ class EagleProposer:
             end = -1
             for (c, n), seg in zip(todo, rows[3]):
                 end += seg.rows
-                c.pairs, c.last_out = n, out[end]
+                c.pairs, c.last_out, c.ran = n, out[end], True
                 _let_go(c, n - 1)  # run; only the last pair may be recomputed
 
     def propose(self, batch: ProposeBatch) -> list[DraftTree | None]:
