@@ -380,8 +380,8 @@ class Realized:
         """Whether steps with the per-request proposer (SPEC) measured slower at this batch size
         and will not run in its next `steps` steps: no probe run under way, the next one further
         off (a new batch probes at once, `new_requests`: this turns False then). The decoder
-        shows such a proposer no features meanwhile (it needs `steps` of them to draft again as
-        it would have: EAGLE's catch-up window)."""
+        shows such a proposer no decode rows' features meanwhile (it needs `steps` of them to
+        draft again as it would have: what EAGLE's catch-up reads)."""
         off = self.off.get((self.bucket(batch), SPEC))
         return off is not None and not off.run and off.interval - off.waited > steps
 

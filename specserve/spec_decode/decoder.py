@@ -226,7 +226,7 @@ class SpecDecoder:
 
     def _show_features(self, sched, step: StepLogits, live: list[int], accepted: list[list[int]]) -> None:
         """The target features of every newly computed committed token: prefill chunks, roots
-        and accepted paths."""
+        and accepted paths (but the decode rows of requests it will not draft for soon: `_unseen`)."""
         paths, unseen = dict(zip(live, accepted)), self._unseen(sched)
         index, ids, starts, sizes, off = [], [], [], [], 0
         for i, (req, n, k) in enumerate(zip(sched.requests, sched.num_tokens, sched.num_drafts)):

@@ -145,8 +145,10 @@ class Proposer(Protocol):
       batch.max_drafts[i] nodes each.
     * `free(request_id)`: forget the request (finished, aborted or preempted).
     `feature_steps` (with `needs_hidden`): decode steps of features it needs to draft again as
-    it would have with all of them (EAGLE: its catch-up window; Medusa: the last one); while
-    its drafting is measured slower and its next probe further off, it is shown none.
+    it would have with all of them (EAGLE: what its catch-up reads; Medusa: the last one); a
+    request it will not draft for within that many steps (its steps measured slower at the
+    batch size, or the request's own gate off, the next probe further off) is shown none of its
+    decode rows' features.
     `costs_per_request` False (suffix decoding: dictionary reads, no model) drafts for every
     request every step, its first paths valued like prompt-lookup chains.
     Committed tokens are the only truth: drafts from earlier steps may have been rejected, or a
