@@ -89,7 +89,9 @@ def test_dry_run_records_every_part(dry_run):
     assert all(real["bfloat16.plain"][f"c{c}"]["tok_s"] > 0 for c in conc)
     assert all(real["bfloat16.ngram"][f"c{c}"]["mismatch"] == 0 for c in conc)
     assert "head" in real["bfloat16.eagle"]["error"]
-    # at the most in flight, the engine's phases: each a share of the wall time, the rest too
+    cells = [real[f"bfloat16.{m}"][f"c{c}"] for m in ("plain", "ngram") for c in conc]
+    assert all(len(cell["runs_tok_s"]) == 2 and cell["tok_s"] == max(cell["runs_tok_s"]) for cell in cells)
+    # under load, the engine's phases: each a share of the wall time, the rest too
     top = max(conc)
     for method in ("plain", "ngram"):
         ph = real[f"bfloat16.{method}"][f"phases_c{top}"]
