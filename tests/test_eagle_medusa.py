@@ -593,7 +593,7 @@ def test_graft_merges_a_chain_into_a_tree_and_select_reindexes():
     assert merged.scores == [-0.1, -0.2, -0.3, -0.4, None, None]
     sub = merged.select([0, 2, 4])
     assert (sub.tokens, sub.parents, sub.scores) == ([10, 12, 7], [-1, 0, 1], [-0.1, -0.3, None])
-    assert DraftTree([], []).graft([3, 4])[0].is_chain
+    assert DraftTree([], []).graft([3, 4]) == (DraftTree([3, 4], [-1, 0], None, [None, None], True), [0, 1])
     # depth first: kept where the new nodes hang off the tree's last path, else not
     dfs = DraftTree([10, 12, 11, 13], [-1, 0, -1, 2], dfs=True)
     assert check_tree(dfs.graft([11, 13, 9])[0]).dfs and check_tree(dfs.graft([11, 8])[0]).dfs

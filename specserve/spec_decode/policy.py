@@ -173,7 +173,12 @@ class SpecPolicy:
     # -- values and selection --------------------------------------------------------------------
     def values(self, state: RequestState, tree: DraftTree) -> np.ndarray:
         """[n] P(node on the accepted path), non-increasing from parent to child."""
-        v = np.zeros(len(tree))
+        n = len(tree)
+        if n and state.chain_nodes == list(range(n)) and tree.parents == list(range(-1, n - 1)) \
+                and (tree.scores is None or tree.scores.count(None) == n):
+            # a lookup chain alone: its path values (a product of rates <= 1, never increasing)
+            return np.cumprod(self._lookup_rates(state)[:n])
+        v = np.zeros(n)
         if tree.scores is not None:
             scored = [i for i, s in enumerate(tree.scores) if s is not None]
             if scored:  # (lookup chains alone have none)
@@ -205,8 +210,8 @@ class SpecPolicy:
         # a request without drafts advances one token either way: the step may cost no more
         # than a plain one, the fairness budget and its lead aside (see _worst_served)
         if self._may_pay(batch, values, max_rows, beat, limit * idle):
-            nodes = sorted((-v[i], d, b, i) for b, (t, v) in enumerate(zip(trees, values))
-                           for i, d in enumerate(t.depth))[:max(0, max_rows - batch)]
+            nodes = sorted((-x, d, b, i) for b, (t, v) in enumerate(zip(trees, values))  # (Python floats)
+                           for i, (x, d) in enumerate(zip(v.tolist(), t.depth)))[:max(0, max_rows - batch)]
         if nodes:
             gained = batch - np.cumsum([n[0] for n in nodes])  # tokens after the first n nodes
             n_rows = batch + np.arange(1, len(nodes) + 1)
