@@ -41,8 +41,7 @@ class DraftTree:
         last: the tree stays depth-first when they hang off its last path."""
         assert self.probs is None, "graft: trees with draft probabilities cannot take foreign nodes"
         if not self.tokens:  # (a lookup chain alone, as in every step without the proposer's drafts)
-            n = len(chain)
-            return DraftTree(list(chain), list(range(-1, n - 1)), None, [None] * n, True), list(range(n))
+            return DraftTree.chain(chain, scores=[None] * len(chain)), list(range(len(chain)))
         tokens, parents = list(self.tokens), list(self.parents)
         scores = list(self.scores) if self.scores is not None else [None] * len(tokens)
         kids = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}

@@ -174,7 +174,7 @@ class SpecPolicy:
     def values(self, state: RequestState, tree: DraftTree) -> np.ndarray:
         """[n] P(node on the accepted path), non-increasing from parent to child."""
         n = len(tree)
-        if n and state.chain_nodes == list(range(n)) and tree.parents == list(range(-1, n - 1)) \
+        if n and state.chain_nodes == list(range(n)) and tree.is_chain \
                 and (tree.scores is None or tree.scores.count(None) == n):
             # a lookup chain alone: its path values (a product of rates <= 1, never increasing)
             return np.cumprod(self._lookup_rates(state)[:n])
