@@ -103,6 +103,27 @@ def test_completions_bad_params_400(server, body, param):
     assert_error(post(server, "/v1/completions", {"model": MODEL, **body}), 400, param)
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", chat_body(messages=[{"role": "user", "content": "a\ud800b"}]),
+     "messages.0.content"),
+    ("/v1/chat/completions", chat_body(stop=["\udfff"]), "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "\ud800"}, "prompt"),
+    ("/tokenize", {"prompt": "x\udc00"}, "prompt"),
+])
+def test_lone_surrogates_400(server, path, body, param):
+    """JSON may escape half a UTF-16 pair (\\ud800); no tokenizer takes the string it decodes
+    to, so it is a 400 naming the field, not a 500 from the tokenizer."""
+    import json
+    content = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as an escape
+    assert b"\\u" in content
+    err = assert_error(post(server, path, content=content), 400, param)
+    assert "Unicode" in err["message"] and not err["message"].startswith("Value error")
+    # a valid pair of surrogate escapes is one character (U+1F600) and is accepted
+    ok = post(server, "/v1/chat/completions", content=json.dumps(
+        chat_body(messages=[{"role": "user", "content": "\U0001F600"}])).encode())
+    assert ok.status_code == 200, ok.text
+
+
 def test_unknown_model_404(server):
     err = assert_error(post(server, "/v1/chat/completions", chat_body(model="gpt-9")), 404,
                        "model")

@@ -149,6 +149,8 @@ def _validation_message(errors: list[dict[str, Any]]) -> str:
     for err in errors[:5]:
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         msg = err.get("msg", "invalid")
+        if err.get("type") == "value_error" and "error" in err.get("ctx", {}):
+            msg = str(err["ctx"]["error"])  # our validators' own words, without "Value error, "
         if err.get("type") == "extra_forbidden":  # never silently dropped (docs/server.md)
             msg = "unsupported parameter: this server does not implement it"
         parts.append(f"{loc}: {msg}" if loc else str(msg))

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 128  # fan-out cap: each choice is one engine request
 MAX_TOP_LOGPROBS = 20
@@ -29,8 +29,38 @@ def now() -> int:
     return int(time.time())
 
 
+def _lone_surrogate(value: Any) -> bool:
+    """Whether a string anywhere in `value` holds a lone UTF-16 surrogate: JSON's `\\ud800`
+    escapes decode to one, and no tokenizer, grammar compiler or UTF-8 encoder takes it.
+    Walked without recursion: a schema may nest as deep as the JSON parser allows."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        # nested request models check their own fields; this walks plain strings, lists, dicts
+        if _lone_surrogate(value):
+            raise ValueError("text must be valid Unicode: a lone surrogate escape such as "
+                             "\\ud800 has no UTF-8 form")
+        return value
 
 
 class StreamOptions(_Request):
