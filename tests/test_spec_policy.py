@@ -279,6 +279,38 @@ def test_lookup_values_follow_the_requests_acceptance_by_depth():
     assert all(np.diff(v_good) <= 0)  # a child is never worth more than its parent
 
 
+def test_worst_served_is_the_least_served_request_after_each_node():
+    """The fairness check's running least (1 + lead + expected accepted tokens over the
+    requests with drafts), against its definition: every request's sum after each prefix of
+    the nodes, ties and leads included."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        requests = rng.randint(1, 12)
+        ahead = np.array([rng.choice([0.0, 0.0, 0.5, rng.uniform(0, 8)]) for _ in range(requests)])
+        nodes = sorted((-rng.choice([0.0, 0.25, rng.random()]), 0, rng.randrange(requests), i)
+                       for i in range(rng.randint(1, 40)))
+        sums = 1.0 + ahead
+        want = []
+        for neg, _, r, _ in nodes:
+            sums = sums.copy()
+            sums[r] += -neg
+            want.append(sums.min())
+        np.testing.assert_allclose(SpecPolicy._worst_served(nodes, ahead), want, rtol=0, atol=1e-12)
+
+
+def test_a_verified_lookup_chain_teaches_each_depth_up_to_its_first_rejected_node():
+    policy = SpecPolicy(model(lambda r: 0.05), max_depth=8)
+    for accepted in range(0, 7):
+        state = policy.new_state()
+        tree = DraftTree.chain([1, 2, 3, 4, 5, 6], scores=[None] * 6)
+        policy.observe(state, tree, list(range(accepted)), list(range(6)))
+        seen = min(6, accepted + 1)  # depths tried: every accepted one and the first rejected one
+        assert state.lookup.tried == [1.0] * seen + [0.0] * (8 - seen)
+        assert state.lookup.accepted == [1.0] * accepted + [0.0] * (8 - accepted)
+
+
 def test_measured_model_follows_live_steps():
     cost = StepCostModel({1: 0.05, 2: 0.05, 8: 0.05}, per_request=0.0, plain={4: 0.06})
     for _ in range(40):

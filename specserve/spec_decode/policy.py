@@ -39,13 +39,15 @@ _EDGES = SCORE_BINS.tolist()  # for bisect, per verified node
 
 
 class Rates:
-    """accepted / tried per index (a depth, a score bin), both decayed at each observation."""
+    """accepted / tried per index (a depth, a score bin), both decayed at each observation.
+    Python lists: read and written a few entries at a time for every request every step,
+    where a numpy scalar costs several times a float."""
 
-    def __init__(self, accepted: np.ndarray, tried: np.ndarray, decay: float) -> None:
-        self.accepted, self.tried, self.decay = accepted, tried, decay
+    def __init__(self, accepted, tried, decay: float) -> None:
+        self.accepted, self.tried, self.decay = [float(a) for a in accepted], [float(t) for t in tried], decay
 
     def rates(self) -> np.ndarray:
-        return self.accepted / self.tried
+        return np.array(self.accepted) / np.array(self.tried)
 
     def observe(self, i: int, accepted: bool) -> None:
         if 0 <= i < len(self.tried):
@@ -160,15 +162,22 @@ class SpecPolicy:
         """The tokens a proposer that gains `gain` a step is expected to add past the request's
         lookup chain of `chain` tokens: where the chain's accepted prefix stops at j tokens (by
         the request's lookup acceptance by depth), max(0, gain - j), weighted by its likelihood."""
-        reach = np.append(np.cumprod(self._lookup_rates(state)[:chain]), 0.0)  # P(>= j + 1 accepted)
+        reach = np.array(self._lookup_path(state, chain) + [0.0])  # P(>= j + 1 accepted)
         stop = np.append(1.0, reach[:-1]) - reach  # P(exactly j accepted), j = 0 .. chain
         return float(stop @ np.maximum(0.0, gain - np.arange(len(stop))))
 
-    def _lookup_rates(self, state: RequestState) -> np.ndarray:
-        """P(lookup node at depth d + 1 accepted | its parent accepted): the request's own,
-        with the decoder-wide rates as a prior worth two observations."""
-        own = state.lookup
-        return (own.accepted + 2 * self.lookup.rates()) / (own.tried + 2)
+    def _lookup_path(self, state: RequestState, n: int) -> list[float]:
+        """P(the lookup nodes at depths 1 .. n all accepted), by n: the running product of
+        P(lookup node at depth d + 1 accepted | its parent accepted), each the request's own
+        with the decoder-wide rate as a prior worth two observations. In Python floats (the
+        same operations as numpy's, in the same order: the same bits), once per request per
+        step."""
+        own, shared = state.lookup, self.lookup
+        path, p = [], 1.0
+        for a, t, sa, st in zip(own.accepted[:n], own.tried, shared.accepted, shared.tried):
+            p *= (a + 2 * (sa / st)) / (t + 2)
+            path.append(p)
+        return path
 
     # -- values and selection --------------------------------------------------------------------
     def values(self, state: RequestState, tree: DraftTree) -> np.ndarray:
@@ -177,15 +186,15 @@ class SpecPolicy:
         if n and state.chain_nodes == list(range(n)) and tree.is_chain \
                 and (tree.scores is None or tree.scores.count(None) == n):
             # a lookup chain alone: its path values (a product of rates <= 1, never increasing)
-            return np.cumprod(self._lookup_rates(state)[:n])
+            return np.array(self._lookup_path(state, n))
         v = np.zeros(n)
         if tree.scores is not None:
             scored = [i for i, s in enumerate(tree.scores) if s is not None]
             if scored:  # (lookup chains alone have none)
                 v[scored] = self.scores.values(np.array([tree.scores[i] for i in scored]))
         if state.chain_nodes:
-            path = np.cumprod(self._lookup_rates(state)[:len(state.chain_nodes)])
-            v[state.chain_nodes] = np.maximum(v[state.chain_nodes], path[:len(state.chain_nodes)])
+            path = np.array(self._lookup_path(state, len(state.chain_nodes)))
+            v[state.chain_nodes] = np.maximum(v[state.chain_nodes], path)
         for i, p in enumerate(tree.parents):
             if p >= 0:
                 v[i] = min(v[i], v[p])
@@ -254,11 +263,26 @@ class SpecPolicy:
     def _worst_served(nodes: list[tuple], ahead: np.ndarray) -> np.ndarray:
         """[n] the least of 1 + lead + expected accepted tokens over the requests with drafts,
         after the first n nodes (in plain steps: each request's advance in this one, plus what
-        it may give back)."""
-        owner = np.array([n[2] for n in nodes])
-        gains = np.zeros((len(nodes), len(ahead)))
-        gains[np.arange(len(nodes)), owner] = [-n[0] for n in nodes]
-        return (1.0 + ahead + np.cumsum(gains, axis=0)).min(axis=1)
+        it may give back). One pass in Python floats: each node raises its own request's sum
+        only, so the least changes only when that request was the one least served (no
+        nodes x requests table, 64 x 512 at 64 in flight)."""
+        base = (1.0 + ahead).tolist()
+        gained = [0.0] * len(base)
+        served = base.copy()
+        least = min(served)
+        at_least = served.count(least)
+        out = []
+        for neg, _, r, _ in nodes:
+            was = served[r]
+            gained[r] += -neg
+            served[r] = base[r] + gained[r]
+            if was == least:
+                at_least -= 1
+                if not at_least:
+                    least = min(served)
+                    at_least = served.count(least)
+            out.append(least)
+        return np.array(out)
 
     def slowdown(self, batch: int, rows: int) -> float:
         """A step of `batch` requests verifying `rows` rows in plain steps of that batch."""
@@ -288,19 +312,28 @@ class SpecPolicy:
 
     def observe(self, state: RequestState, tree: DraftTree, path: list[int], chain_nodes: list[int]) -> None:
         """A verify result: `path` are the accepted nodes of `tree` (as verified)."""
-        on_path = set(path)
-        reached = on_path | {-1}
-        chain_depth = {node: d for d, node in enumerate(chain_nodes)}  # depth - 1 of each lookup node
         drafted_gain = drafted_rows = 0
-        for i, p in enumerate(tree.parents):
-            ok = i in on_path
-            if tree.scores is not None and tree.scores[i] is not None:
-                self.scores.observe(tree.scores[i], ok)
-                drafted_rows += 1
-                drafted_gain += ok
-            if i in chain_depth and p in reached:
-                state.lookup.observe(chain_depth[i], ok)
-                self.lookup.observe(chain_depth[i], ok)
+        n = len(tree)
+        if chain_nodes == list(range(n)) and tree.is_chain and (tree.scores is None or tree.scores.count(None) == n):
+            # a lookup chain alone (most steps under load): its accepted path is its first nodes,
+            # and each depth up to the first rejected node is seen
+            for d in range(min(n, len(path) + 1)):
+                ok = d < len(path)
+                state.lookup.observe(d, ok)
+                self.lookup.observe(d, ok)
+        else:
+            on_path = set(path)
+            reached = on_path | {-1}
+            chain_depth = {node: d for d, node in enumerate(chain_nodes)}  # depth - 1 of each lookup node
+            for i, p in enumerate(tree.parents):
+                ok = i in on_path
+                if tree.scores is not None and tree.scores[i] is not None:
+                    self.scores.observe(tree.scores[i], ok)
+                    drafted_rows += 1
+                    drafted_gain += ok
+                if i in chain_depth and p in reached:
+                    state.lookup.observe(chain_depth[i], ok)
+                    self.lookup.observe(chain_depth[i], ok)
         if state.drafted:
             self._count_drafting(state.gate, drafted_gain, True)
             state.gate.rows = 0.7 * state.gate.rows + 0.3 * drafted_rows
