@@ -61,19 +61,27 @@ class ScoreCalibration:
     def __init__(self, decay: float = 0.998) -> None:
         centers = (SCORE_BINS[:-1] + SCORE_BINS[1:]) / 2
         self.by_bin = Rates(centers * 2, np.full(len(centers), 2.0), decay)
+        self._curve: np.ndarray | None = None  # value by bin, as last computed (read per request per step)
+
+    def curve(self) -> np.ndarray:
+        """The value of a node by its bin: never less for a likelier node."""
+        if self._curve is None:
+            self._curve = np.maximum.accumulate(self.by_bin.rates())
+        return self._curve
 
     def values(self, scores: np.ndarray) -> np.ndarray:
         bins = np.clip(np.searchsorted(SCORE_BINS, np.exp(scores), "right") - 1, 0, len(SCORE_BINS) - 2)
-        return np.maximum.accumulate(self.by_bin.rates())[bins]  # never less for a likelier node
+        return self.curve()[bins]
 
     def observe(self, score: float, accepted: bool) -> None:
         """The bin as in `values`, by bisect: one call per verified node, no numpy scalars."""
         self.by_bin.observe(min(max(bisect.bisect_right(_EDGES, math.exp(score)) - 1, 0), len(SCORE_BINS) - 2),
                             accepted)
+        self._curve = None
 
     def min_score(self, value: float) -> float:
         """The log draft probability from which nodes are worth `value`."""
-        ok = np.flatnonzero(np.maximum.accumulate(self.by_bin.rates()) >= value)
+        ok = np.flatnonzero(self.curve() >= value)
         return math.log(max(SCORE_BINS[ok[0]], 1e-9)) if len(ok) else 0.0
 
 
