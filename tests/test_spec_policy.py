@@ -297,7 +297,8 @@ def test_worst_served_is_the_least_served_request_after_each_node():
             sums = sums.copy()
             sums[r] += -neg
             want.append(sums.min())
-        np.testing.assert_allclose(SpecPolicy._worst_served(nodes, ahead), want, rtol=0, atol=1e-12)
+        got = SpecPolicy._worst_served([n[0] for n in nodes], [n[2] for n in nodes], ahead)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
 def test_a_verified_lookup_chain_teaches_each_depth_up_to_its_first_rejected_node():

@@ -20,6 +20,7 @@ With "adaptive": false the proposer drafts its maximum and all of it is verified
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -223,22 +224,28 @@ class SpecPolicy:
         plain = self.cost.step_time(batch, batch)
         limit, rows = plain / (1 - self.fairness), 0  # what probes may bring the step to
         beat = batch / plain * (1 + MARGIN)  # the rate a selection must exceed
-        nodes = []
+        order = None
         # a request without drafts advances one token either way: the step may cost no more
         # than a plain one, the fairness budget and its lead aside (see _worst_served)
         if self._may_pay(batch, values, max_rows, beat, limit * idle):
-            nodes = sorted((-x, d, b, i) for b, (t, v) in enumerate(zip(trees, values))  # (Python floats)
-                           for i, (x, d) in enumerate(zip(v.tolist(), t.depth)))[:max(0, max_rows - batch)]
-        if nodes:
-            gained = batch - np.cumsum([n[0] for n in nodes])  # tokens after the first n nodes
-            n_rows = batch + np.arange(1, len(nodes) + 1)
+            # every node, best first: by value, then depth, request and index (one sort of arrays)
+            sizes = [len(v) for v in values]
+            value = np.concatenate(values).astype(np.float64, copy=False)
+            owner = np.repeat(np.arange(len(values)), sizes)
+            index = np.arange(len(value)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            depth = np.fromiter(itertools.chain.from_iterable(t.depth for t in trees), np.int64, len(value))
+            order = np.lexsort((index, owner, depth, -value))[:max(0, max_rows - batch)]
+        if order is not None and len(order):
+            neg, owner = -value[order], owner[order]
+            gained = batch - np.cumsum(neg)  # tokens after the first n nodes
+            n_rows = batch + np.arange(1, len(order) + 1)
             times = self.cost.step_times(batch, n_rows)
             rates = gained / times
-            worst = np.minimum(self._worst_served(nodes, ahead), idle)
+            worst = np.minimum(self._worst_served(neg.tolist(), owner.tolist(), ahead), idle)
             rates[worst < times / plain * (1 - self.fairness)] = 0.0
             best = int(np.argmax(rates))
             if rates[best] > beat:
-                for _, _, b, i in nodes[:best + 1]:
+                for b, i in zip(owner[:best + 1].tolist(), index[order[:best + 1]].tolist()):
                     keep[b].append(i)
                 limit, rows = max(limit, times[best]), best + 1
         for b, probe in enumerate(probes):  # a request that has not verified for long probes,
@@ -268,21 +275,22 @@ class SpecPolicy:
         return False
 
     @staticmethod
-    def _worst_served(nodes: list[tuple], ahead: np.ndarray) -> np.ndarray:
+    def _worst_served(neg: list[float], owner: list[int], ahead: np.ndarray) -> np.ndarray:
         """[n] the least of 1 + lead + expected accepted tokens over the requests with drafts,
-        after the first n nodes (in plain steps: each request's advance in this one, plus what
-        it may give back). One pass in Python floats: each node raises its own request's sum
-        only, so the least changes only when that request was the one least served (no
-        nodes x requests table, 64 x 512 at 64 in flight)."""
+        after the first n nodes (each node's value negated in `neg`, its request in `owner`;
+        in plain steps: each request's advance in this one, plus what it may give back). One
+        pass in Python floats: each node raises its own request's sum only, so the least
+        changes only when that request was the one least served (no nodes x requests table,
+        512 x 64 at 64 in flight)."""
         base = (1.0 + ahead).tolist()
         gained = [0.0] * len(base)
         served = base.copy()
         least = min(served)
         at_least = served.count(least)
         out = []
-        for neg, _, r, _ in nodes:
+        for x, r in zip(neg, owner):
             was = served[r]
-            gained[r] += -neg
+            gained[r] += -x
             served[r] = base[r] + gained[r]
             if was == least:
                 at_least -= 1
