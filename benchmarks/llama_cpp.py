@@ -8,7 +8,9 @@
 `--build` downloads the source package of llama-cpp-python from PyPI, builds the server target
 of its vendored llama.cpp (CPU, native instructions, static) and keeps the binary under
 $SPECSERVE_CACHE_DIR/llama.cpp/ (default ~/.cache/specserve). Without that binary (or one given
-by --llama-server) the benchmark prints how to get it and exits 0.
+by --llama-server) the benchmark prints how to get it and exits 0; `--no-llama-cpp` runs the
+specserve servers alone, each against the first one (plain decoding, by default: speculation
+through the server against none).
 
 Both servers get the same GGUF (the default model's, Q4_1: llama.cpp reads it as it is,
 specserve dequantizes it, to float32/bfloat16 or, with --quantization int8, to int8 with
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         build(cmake_args=tuple(args.cmake_arg))
         return 0
     binary = Path(args.llama_server) if args.llama_server else server_path()
-    if not binary.is_file():
+    if not args.no_llama_cpp and not binary.is_file():
         print(f"llama-server not found at {binary}: build it once with "
               "`python benchmarks/llama_cpp.py --build` (or pass --llama-server); skipping")
         return 0
@@ -179,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     gguf = alias_gguf(alias)
     prompts = [r["prompt"] for r in load_prompts("heldout")]
     servers = engines(args, gguf, binary)
+    if args.no_llama_cpp:
+        servers = servers[1:]
     results: dict[str, dict[int, list[float]]] = {name: {c: [] for c in args.concurrency} for name, _ in servers}
     for rep in range(args.repeats):
         order = servers if rep % 2 == 0 else servers[1:] + servers[:1]
@@ -194,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  {name:<14} c={c:<3} {tokens} tokens in {seconds:.1f} s: "
                           f"{tokens / seconds:.1f} tok/s", flush=True)
     summary = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "model": args.model,
-               "gguf": gguf.name, "options": {k: v for k, v in vars(args).items() if k != "build"},
+               "gguf": gguf.name, "reference": servers[0][0],
+               "options": {k: v for k, v in vars(args).items() if k != "build"},
                "tok_per_s": {name: {c: statistics.median(v) for c, v in by_c.items()}
                              for name, by_c in results.items()}}
     print(table(summary, args.concurrency))
@@ -207,9 +212,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def table(summary: dict, levels: list[int]) -> str:
-    rates = summary["tok_per_s"]
-    ref = rates["llama.cpp"]
-    lines = ["engine          " + "".join(f"   c={c:<3} tok/s  vs llama.cpp" for c in levels)]
+    rates, name_ref = summary["tok_per_s"], summary.get("reference", "llama.cpp")
+    ref = rates[name_ref]
+    lines = ["engine          " + "".join(f"   c={c:<3} tok/s  vs {name_ref:<9}" for c in levels)]
     for name, by_c in rates.items():
         lines.append(f"{name:<16}" + "".join(f"   {by_c[c]:>11.1f}  {by_c[c] / ref[c]:>11.2f}x" for c in levels))
     return "\n".join(lines)
@@ -228,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --build: an extra cmake option (repeatable), e.g. -DGGML_NATIVE=OFF "
                         "-DGGML_AVX512=ON where the native build does not run")
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: the built one)")
+    p.add_argument("--no-llama-cpp", action="store_true",
+                   help="the specserve servers alone, each against the first --engine")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", help="specserve's --dtype")
     p.add_argument("--quantization", nargs="+", default=["none", "int8"], choices=list(QUANTIZATION_CHOICES),

@@ -34,6 +34,17 @@ def test_table_gives_each_engine_against_llama_cpp():
     assert "0.25x" in plain and "0.50x" in plain
 
 
+def test_without_llama_cpp_each_engine_is_against_the_first():
+    spec = importlib.util.spec_from_file_location("llama_cpp_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.table({"reference": "plain", "tok_per_s": {"plain": {1: 80.0, 8: 300.0},
+                                                          "default": {1: 88.0, 8: 294.0}}}, [1, 8])
+    assert "vs plain" in text.splitlines()[0]
+    default = next(line for line in text.splitlines() if line.startswith("default"))
+    assert "1.10x" in default and "0.98x" in default
+
+
 def test_every_engine_runs_with_each_weight_format():
     spec = importlib.util.spec_from_file_location("llama_cpp_bench", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
