@@ -39,6 +39,12 @@ SCORE_BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0001])
 _EDGES = SCORE_BINS.tolist()  # for bisect, per verified node
 
 
+def _lookup_only(tree: DraftTree, chain_nodes: list[int]) -> bool:
+    """Whether the tree is a lookup chain alone: a chain, every node of it from lookup, none scored."""
+    n = len(tree)
+    return chain_nodes == list(range(n)) and tree.is_chain and (tree.scores is None or tree.scores.count(None) == n)
+
+
 class Rates:
     """accepted / tried per index (a depth, a score bin), both decayed at each observation.
     Python lists: read and written a few entries at a time for every request every step,
@@ -192,9 +198,8 @@ class SpecPolicy:
     def values(self, state: RequestState, tree: DraftTree) -> np.ndarray:
         """[n] P(node on the accepted path), non-increasing from parent to child."""
         n = len(tree)
-        if n and state.chain_nodes == list(range(n)) and tree.is_chain \
-                and (tree.scores is None or tree.scores.count(None) == n):
-            # a lookup chain alone: its path values (a product of rates <= 1, never increasing)
+        if n and _lookup_only(tree, state.chain_nodes):
+            # its path values (a product of rates <= 1, never increasing)
             return np.array(self._lookup_path(state, n))
         v = np.zeros(n)
         if tree.scores is not None:
@@ -329,11 +334,9 @@ class SpecPolicy:
     def observe(self, state: RequestState, tree: DraftTree, path: list[int], chain_nodes: list[int]) -> None:
         """A verify result: `path` are the accepted nodes of `tree` (as verified)."""
         drafted_gain = drafted_rows = 0
-        n = len(tree)
-        if chain_nodes == list(range(n)) and tree.is_chain and (tree.scores is None or tree.scores.count(None) == n):
-            # a lookup chain alone (most steps under load): its accepted path is its first nodes,
-            # and each depth up to the first rejected node is seen
-            for d in range(min(n, len(path) + 1)):
+        if _lookup_only(tree, chain_nodes):  # (most steps under load)
+            # its accepted path is its first nodes, and each depth up to the first rejected one is seen
+            for d in range(min(len(tree), len(path) + 1)):
                 ok = d < len(path)
                 state.lookup.observe(d, ok)
                 self.lookup.observe(d, ok)
