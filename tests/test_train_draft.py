@@ -97,10 +97,11 @@ def test_eagle_only_options_fail_fast_for_medusa(tmp_path):
 
 
 def test_train_draft_an_eagle3_head(tmp_path):
-    """--aux-layers: the data records the inner layers' outputs (each prompt's last 64 tokens
-    kept), the head fuses them, saves its layers, and drafts in the engine losslessly; an
-    EAGLE-2 head trains on the same data (its final hidden states)."""
+    """--aux-layers: the data records the inner layers' outputs (each prompt's last
+    PROMPT_WINDOW tokens kept: all a head's first pass reads), the head fuses them, saves its
+    layers, and drafts in the engine losslessly; an EAGLE-2 head trains on the same data (its final hidden states)."""
     from specserve import LLM, SamplingParams
+    from specserve.spec_decode.eagle import PROMPT_WINDOW
     from specserve.spec_decode.heads_io import load_eagle
 
     target = tiny_target(tmp_path / "target")
@@ -111,8 +112,8 @@ def test_train_draft_an_eagle3_head(tmp_path):
     done = run_cli(*common, "--out", str(out), "--aux-layers", "auto")
     assert done.returncode == 0, done.stderr[-2000:]
     seqs = [s for f in sorted((work / "data").glob("*.pt")) for s in torch.load(f)]
-    assert all(s["aux"].shape == (s["hidden"].shape[0], 64) and s["prompt_len"] <= 64 for s in seqs)
-    assert any(s["prompt_len"] == 64 for s in seqs)  # the document tasks' prompts, cut
+    assert all(s["aux"].shape == (s["hidden"].shape[0], 64) and s["prompt_len"] <= PROMPT_WINDOW for s in seqs)
+    assert any(s["prompt_len"] == PROMPT_WINDOW for s in seqs)  # the document tasks' prompts, cut
     assert json.loads((out / "config.json").read_text())["eagle_aux_layers"] == [0, 1]
     head = load_eagle(out, ModelArch.from_dir(target))[0]
     assert head.fuse.weight.shape == (32, 96) and head.norm is not None

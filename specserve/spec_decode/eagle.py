@@ -38,7 +38,7 @@ from specserve.spec_decode.quant import draft_linear, draft_lm_head, f32_kernel_
 
 DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent.parent / "data" / "eagle-smollm2-135m"
 CATCH_UP_WINDOW = 32  # most pairs a catch-up runs after a gap: the head's cache restarts from the last ones
-PROMPT_WINDOW = 64  # most pairs of a request's first pass: the prompt's last ones (docs/eagle.md)
+PROMPT_WINDOW = 32  # most pairs of a request's first pass: the prompt's last ones (docs/eagle.md)
 
 
 def pooled_kv(device: torch.device) -> bool:
