@@ -99,7 +99,8 @@ def test_eagle_only_options_fail_fast_for_medusa(tmp_path):
 def test_train_draft_an_eagle3_head(tmp_path):
     """--aux-layers: the data records the inner layers' outputs (each prompt's last
     PROMPT_WINDOW tokens kept: all a head's first pass reads), the head fuses them, saves its
-    layers, and drafts in the engine losslessly; an EAGLE-2 head trains on the same data (its final hidden states)."""
+    layers, and drafts in the engine losslessly; an EAGLE-2 head trains on the same data (its
+    final hidden states)."""
     from specserve import LLM, SamplingParams
     from specserve.spec_decode.eagle import PROMPT_WINDOW
     from specserve.spec_decode.heads_io import load_eagle
