@@ -29,7 +29,7 @@ from specserve.request import (CompletionOutput, Request, RequestOutput, Request
                                SamplingParams, TokenLogprob)
 from specserve.scheduler.scheduler import Scheduler
 from specserve.spec_decode import methods
-from specserve.spec_decode.cost_model import device_clock
+from specserve.spec_decode.cost_model import LOOKUP_ONLY, SPEC, device_clock
 from specserve.structured import Grammars
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,11 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # steps with requests to draft for, by the kind the decoder chose (docs/speculation.md):
+    # every proposer, prompt-lookup chains alone, or none (measured slower, or a plain sample)
+    spec_steps_drafting: int = 0
+    spec_steps_lookup_only: int = 0
+    spec_steps_plain: int = 0
     cuda_graph_capture_seconds: float = 0.0  # at start (model/cuda_graphs.py); 0 without graphs
 
     def count_verified(self, drafted: int, accepted: int) -> None:
@@ -68,6 +73,16 @@ class EngineStats:
         self.spec_accepted_per_pos.extend([0] * (accepted - len(self.spec_accepted_per_pos)))
         for j in range(accepted):
             self.spec_accepted_per_pos[j] += 1
+
+    def count_step_kind(self, kind: int) -> None:
+        """A step with requests to draft for, of `kind` (spec_decode.cost_model: PLAIN, SPEC,
+        LOOKUP_ONLY)."""
+        if kind == SPEC:
+            self.spec_steps_drafting += 1
+        elif kind == LOOKUP_ONLY:
+            self.spec_steps_lookup_only += 1
+        else:
+            self.spec_steps_plain += 1
 
 
 class Engine:

@@ -30,6 +30,10 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 _COUNTER_FIELDS = ("prompt_tokens_total", "generation_tokens_total", "num_preemptions",
                    "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+# the speculative decoder's choice for each step with requests to draft for: EngineStats field by
+# the `kind` label of specserve:spec_decode_steps
+_STEP_KINDS = {"drafting": "spec_steps_drafting", "lookup_only": "spec_steps_lookup_only",
+               "plain": "spec_steps_plain"}
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -80,8 +84,14 @@ class ServerMetrics:
             "specserve:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft.", label + ["position"],
             registry=reg)
+        self.spec_steps = Counter(
+            "specserve:spec_decode_steps",
+            "Steps with requests to draft for, by what the speculative decoder chose: drafting "
+            "(every proposer), lookup_only (prompt-lookup chains alone), plain (speculation "
+            "measured slower at that batch size, or a plain step sampled for comparison).",
+            label + ["kind"], registry=reg)
 
-        self._last_counts = dict.fromkeys(_COUNTER_FIELDS, 0)
+        self._last_counts = dict.fromkeys(_COUNTER_FIELDS + tuple(_STEP_KINDS.values()), 0)
         self._last_per_pos: list[int] = []
         self._last_token_time: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens)
         # Create every child up front so all series exist (at 0) from the first scrape.
@@ -91,6 +101,8 @@ class ServerMetrics:
             metric.labels(self.model_name)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(self.model_name, reason)
+        for kind in _STEP_KINDS:
+            self.spec_steps.labels(self.model_name, kind)
 
     # -- feeding ----------------------------------------------------------------------
     def update_from_stats(self, stats: Any) -> None:
@@ -108,11 +120,13 @@ class ServerMetrics:
                    "spec_num_drafts": self.spec_drafts,
                    "spec_num_draft_tokens": self.spec_draft_tokens,
                    "spec_num_accepted_tokens": self.spec_accepted_tokens}
-        for field, counter in targets.items():
+        children = [(field, counter.labels(name)) for field, counter in targets.items()]
+        children += [(field, self.spec_steps.labels(name, kind)) for kind, field in _STEP_KINDS.items()]
+        for field, child in children:
             value = int(getattr(stats, field, 0) or 0)
             delta = value - self._last_counts[field]
             if delta > 0:
-                counter.labels(name).inc(delta)
+                child.inc(delta)
             self._last_counts[field] = value
 
         per_pos = list(getattr(stats, "spec_accepted_per_pos", None) or [])

@@ -91,6 +91,10 @@ def test_dry_run_records_every_part(dry_run):
     assert "head" in real["bfloat16.eagle"]["error"]
     cells = [real[f"bfloat16.{m}"][f"c{c}"] for m in ("plain", "ngram") for c in conc]
     assert all(len(cell["runs_tok_s"]) == 2 and cell["tok_s"] == max(cell["runs_tok_s"]) for cell in cells)
+    # the speculative decoder's choices over the timed runs: none for plain decoding
+    kinds = ("spec_steps_drafting", "spec_steps_lookup_only", "spec_steps_plain")
+    assert all(real["bfloat16.plain"][f"c{c}"][k] == 0 for c in conc for k in kinds)
+    assert all(sum(real["bfloat16.ngram"][f"c{c}"][k] for k in kinds) > 0 for c in conc)
     # under load, the engine's phases: each a share of the wall time, the rest too
     top = max(conc)
     for method in ("plain", "ngram"):

@@ -24,6 +24,7 @@ EXPECTED = {
     "specserve:spec_decode_num_draft_tokens_total": "counter",
     "specserve:spec_decode_num_accepted_tokens_total": "counter",
     "specserve:spec_decode_num_accepted_tokens_per_pos_total": "counter",
+    "specserve:spec_decode_steps_total": "counter",
 }
 
 
@@ -31,10 +32,10 @@ def test_every_field_the_metrics_read_is_the_engines():
     """The collectors read EngineStats by name: a renamed field must fail here, not zero a metric."""
     from dataclasses import fields
 
-    from specserve.metrics import _COUNTER_FIELDS
+    from specserve.metrics import _COUNTER_FIELDS, _STEP_KINDS
 
     names = {f.name for f in fields(Stats)}
-    assert set(_COUNTER_FIELDS) <= names
+    assert set(_COUNTER_FIELDS) <= names and set(_STEP_KINDS.values()) <= names
     assert {"num_running", "num_waiting", "kv_cache_usage", "spec_accepted_per_pos"} <= names
     assert "num_preemptions" in _COUNTER_FIELDS
 
@@ -95,6 +96,15 @@ def test_counters_take_deltas_and_gauges_values():
     per_pos = ('specserve:spec_decode_num_accepted_tokens_per_pos_total'
                '{model_name="m",position="%d"}')
     assert [s[per_pos % i] for i in range(3)] == [6, 2, 1]
+
+
+def test_step_kinds_are_one_counter_by_kind():
+    m = ServerMetrics("m")
+    steps = 'specserve:spec_decode_steps_total{kind="%s",model_name="m"}'
+    assert [samples(m)[steps % k] for k in ("drafting", "lookup_only", "plain")] == [0, 0, 0]
+    m.update_from_stats(Stats(spec_steps_drafting=5, spec_steps_lookup_only=2, spec_steps_plain=1))
+    m.update_from_stats(Stats(spec_steps_drafting=9, spec_steps_lookup_only=2, spec_steps_plain=4))
+    assert [samples(m)[steps % k] for k in ("drafting", "lookup_only", "plain")] == [9, 2, 4]
 
 
 def test_preemptions_counter_follows_the_engines_count():

@@ -343,5 +343,6 @@ def test_eagle_out_of_the_box_streams_the_plain_greedy_text(client):
         spec = chunks[-1].usage.model_extra["speculation"]
         assert spec["num_draft_tokens"] > 0
         assert proc.metric("specserve:spec_decode_num_drafts_total", model_name=MODEL) > 0
+        assert proc.metric("specserve:spec_decode_steps_total", model_name=MODEL, kind="drafting") > 0
     finally:
         proc.stop()

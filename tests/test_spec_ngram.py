@@ -147,3 +147,33 @@ def test_realized_times_the_engines_own_steps(ngram_llm):
         spec.policy.realized.observe, spec.policy.adaptive = observe, adaptive
     # a sample is the end of one step and the start of the next, never the pause between them
     assert len(samples) >= 4 and max(samples) <= 2 * longest
+
+
+def test_each_step_kind_the_decoder_chooses_is_counted(llm, ngram_llm):
+    """EngineStats (and so /metrics' specserve:spec_decode_steps) count the steps with requests
+    to draft for by the decoder's choice: drafting, lookup chains alone, or plain; steps
+    without such requests (a prefill's) are not counted. Output stays plain decoding's."""
+    from specserve.spec_decode.cost_model import LOOKUP_ONLY, PLAIN, SPEC
+
+    spec, stats = ngram_llm.engine.spec, ngram_llm.engine.stats
+    choices, chosen = [SPEC, PLAIN, LOOKUP_ONLY, PLAIN, SPEC, SPEC, SPEC], []
+    speculate, adaptive = spec._speculate, spec.policy.adaptive
+
+    def choose(batch, eligible, step_start):  # (a step with nothing to draft for: plain, not counted)
+        if eligible:
+            chosen.append(choices[len(chosen) % len(choices)])
+        return chosen[-1] if eligible else PLAIN
+    spec._speculate = choose
+    spec.policy.adaptive = True  # set_num_drafts turns it off
+    before = (stats.spec_steps_drafting, stats.spec_steps_lookup_only, stats.spec_steps_plain)
+    try:
+        out = ngram_llm.generate([HIT_PROMPTS[0]], GREEDY)
+    finally:
+        spec._speculate, spec.policy.adaptive = speculate, adaptive
+    after = (stats.spec_steps_drafting, stats.spec_steps_lookup_only, stats.spec_steps_plain)
+    counted = [a - b for a, b in zip(after, before)]
+    assert len(chosen) > len(choices)
+    assert counted == [chosen.count(SPEC), chosen.count(LOOKUP_ONLY), chosen.count(PLAIN)]
+    assert token_ids(out) == token_ids(llm.generate([HIT_PROMPTS[0]], GREEDY))
+    plain = llm.engine.stats
+    assert plain.spec_steps_drafting == plain.spec_steps_lookup_only == plain.spec_steps_plain == 0

@@ -810,9 +810,13 @@ def _decode_run(engine, prompts: list[list[int]], new_tokens: int, sync, tag: st
 
 
 def _step_counts(engine) -> dict:
-    """Steps so far: failed ones, and (compiled engines) those that ran from a bucket of the
-    compiled step and those that fit none and ran eagerly."""
-    counts = {"failed_steps": engine.num_failed_steps}
+    """Steps so far: failed ones, those with requests to draft for by the speculative decoder's
+    choice (drafting, lookup chains alone, plain: its measured verdicts at work), and (compiled
+    engines) those that ran from a bucket of the compiled step and those that fit none and ran
+    eagerly."""
+    st = engine.stats
+    counts = {"failed_steps": engine.num_failed_steps, "spec_steps_drafting": st.spec_steps_drafting,
+              "spec_steps_lookup_only": st.spec_steps_lookup_only, "spec_steps_plain": st.spec_steps_plain}
     steps = getattr(engine.runner, "steps", None)
     if steps is not None:
         counts.update(bucketed_steps=steps.counts["decode"] + steps.counts["verify"], eager_steps=steps.counts["eager"])

@@ -277,6 +277,8 @@ class SpecDecoder:
                 self.policy.realized.new_requests(len(new), batch)
         kind = (self._speculate(batch, bool(eligible), step_start) if self.policy.adaptive
                 else SPEC if eligible else PLAIN)
+        if eligible:
+            self.stats.count_step_kind(kind)
         if kind == PLAIN:
             self._drafted_last = set()
             return  # nothing to draft for, a plain step to measure, or speculation measured slower
