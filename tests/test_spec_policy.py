@@ -297,7 +297,7 @@ def test_worst_served_is_the_least_served_request_after_each_node():
             sums = sums.copy()
             sums[r] += -neg
             want.append(sums.min())
-        got = SpecPolicy._worst_served([n[0] for n in nodes], [n[2] for n in nodes], ahead)
+        got = SpecPolicy._worst_served([-n[0] for n in nodes], [n[2] for n in nodes], ahead)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 

@@ -241,12 +241,12 @@ class SpecPolicy:
             depth = np.fromiter(itertools.chain.from_iterable(t.depth for t in trees), np.int64, len(value))
             order = np.lexsort((index, owner, depth, -value))[:max(0, max_rows - batch)]
         if order is not None and len(order):
-            neg, owner = -value[order], owner[order]
-            gained = batch - np.cumsum(neg)  # tokens after the first n nodes
+            taken, owner = value[order], owner[order]
+            gained = batch + np.cumsum(taken)  # tokens after the first n nodes
             n_rows = batch + np.arange(1, len(order) + 1)
             times = self.cost.step_times(batch, n_rows)
             rates = gained / times
-            worst = np.minimum(self._worst_served(neg.tolist(), owner.tolist(), ahead), idle)
+            worst = np.minimum(self._worst_served(taken.tolist(), owner.tolist(), ahead), idle)
             rates[worst < times / plain * (1 - self.fairness)] = 0.0
             best = int(np.argmax(rates))
             if rates[best] > beat:
@@ -280,9 +280,9 @@ class SpecPolicy:
         return False
 
     @staticmethod
-    def _worst_served(neg: list[float], owner: list[int], ahead: np.ndarray) -> np.ndarray:
+    def _worst_served(taken: list[float], owner: list[int], ahead: np.ndarray) -> np.ndarray:
         """[n] the least of 1 + lead + expected accepted tokens over the requests with drafts,
-        after the first n nodes (each node's value negated in `neg`, its request in `owner`;
+        after the first n nodes (each node's value in `taken`, its request in `owner`;
         in plain steps: each request's advance in this one, plus what it may give back). One
         pass in Python floats: each node raises its own request's sum only, so the least
         changes only when that request was the one least served (no nodes x requests table,
@@ -293,9 +293,9 @@ class SpecPolicy:
         least = min(served)
         at_least = served.count(least)
         out = []
-        for x, r in zip(neg, owner):
+        for x, r in zip(taken, owner):
             was = served[r]
-            gained[r] += -x
+            gained[r] += x
             served[r] = base[r] + gained[r]
             if was == least:
                 at_least -= 1
