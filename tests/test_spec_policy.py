@@ -362,27 +362,42 @@ def test_a_batch_size_met_for_a_few_steps_is_judged_by_them():
 
 
 def run_realized(gate: Realized, batch: int, steps: int, spec_cost: float, plain_cost: float = 1.0,
-                 spec_tokens: float = 1.0) -> list[bool]:
+                 spec_tokens: float = 1.0, spread: float = 0.0) -> list[bool]:
     """Drive the gate with steps whose seconds per token are spec_cost (speculating) or
-    plain_cost (plain), each relative to the model's plain step time of 1 s."""
+    plain_cost (plain), each relative to the model's plain step time of 1 s; with `spread`,
+    every other step takes that share more or less (a machine's noise)."""
     modes = []
-    for _ in range(steps):
+    for i in range(steps):
         spec = gate.speculate(batch)
         modes.append(spec)
         tokens = round(batch * spec_tokens) if spec else batch
-        seconds = (spec_cost if spec else plain_cost) * tokens / batch
+        seconds = (spec_cost if spec else plain_cost) * tokens / batch * (1 + spread * (-1) ** i)
         gate.observe(batch, spec, seconds, tokens, 1.0)
     return modes
 
 
 def test_speculation_measured_slower_is_switched_off_and_probed():
     gate = Realized()
-    modes = run_realized(gate, 16, 400, spec_cost=1.1)  # 10% slower per token than plain
+    modes = run_realized(gate, 16, 400, spec_cost=1.1, spread=0.1)  # 10% slower per token than plain
     assert not modes[0]  # the first step at a batch size measures plain
     off = modes.index(False, 1)  # speculation goes off once judged on enough samples ...
     assert off == 1 + MIN_SAMPLES and sum(modes[off:]) <= PROBE_RUN * 4  # ... and only probe runs follow
     assert modes[off:off + PROBE_AFTER - 1] == [False] * (PROBE_AFTER - 1)
-    assert run_realized(Realized(), 1, 200, spec_cost=1.1).count(True) <= MIN_SAMPLES + 3 * PROBE_RUN  # batch 1 too
+    assert run_realized(Realized(), 1, 200, spec_cost=1.1, spread=0.1).count(True) <= MIN_SAMPLES + 3 * PROBE_RUN
+
+
+def test_a_kind_conclusively_slower_on_its_first_samples_is_judged_on_them():
+    """Steps with drafts 10% slower per token, all alike or spreading by 3%, are judged before
+    MIN_SAMPLES (on QUICK_SAMPLES when alike); spreading by 10% (or 3% slower, spreading by
+    2%), their first samples say too little, and MIN_SAMPLES judge them. Faster steps, however
+    few or alike, are never judged slower."""
+    assert run_realized(Realized(), 16, 40, spec_cost=1.1).index(False, 1) == 1 + QUICK_SAMPLES
+    assert 1 + QUICK_SAMPLES < run_realized(Realized(), 16, 40, spec_cost=1.1, spread=0.03).index(False, 1) \
+        < 1 + MIN_SAMPLES
+    for cost, spread in ((1.1, 0.1), (1.03, 0.02)):
+        assert run_realized(Realized(), 16, 40, spec_cost=cost, spread=spread).index(False, 1) == 1 + MIN_SAMPLES
+    for batch in (1, 16):
+        assert all(run_realized(Realized(), batch, 40, spec_cost=0.9)[1:])
 
 
 def test_probes_of_a_far_slower_speculation_cost_about_their_budget(monkeypatch):
@@ -417,7 +432,7 @@ def test_a_far_slower_kind_is_judged_on_a_few_steps_and_probed_briefly():
             start = None
     assert runs and {n for _, n in runs} == {QUICK_SAMPLES + 1}
     assert runs[0][0] - off >= 0.95 * Realized._affordable(2.2) > 10 * PROBE_AFTER
-    near = run_realized(Realized(), 64, 100, spec_cost=0.95 * QUICK_RATIO)
+    near = run_realized(Realized(), 64, 100, spec_cost=0.95 * QUICK_RATIO, spread=0.3)
     assert near.index(False, 1) == 1 + MIN_SAMPLES and near[1 + MIN_SAMPLES + PROBE_AFTER - 1]
 
 
@@ -426,7 +441,7 @@ def test_quiet_while_the_next_probe_is_further_off_than_the_features_needed():
     way and the next one more than n steps off; never for another batch size, nor once a new
     batch is to be probed at once."""
     gate = Realized()
-    run_realized(gate, 64, 1 + MIN_SAMPLES + 1, spec_cost=1.1)  # off: the first probe after PROBE_AFTER
+    run_realized(gate, 64, 1 + MIN_SAMPLES + 1, spec_cost=1.1, spread=0.1)  # off: the first probe after PROBE_AFTER
     assert not gate.quiet(64, PROBE_AFTER) and not gate.quiet(1, 8) and not Realized().quiet(64, 8)
     quiet, modes = [], []
     for _ in range(PROBE_AFTER + 4):
@@ -478,15 +493,16 @@ def test_a_losing_proposer_falls_back_to_lookup_chains_judged_apart():
     """Steps with the per-request proposer 20% slower than plain, with lookup chains alone 20%
     faster: after SPEC's verdict the gate runs LOOKUP_ONLY steps (SPEC probed at its doubling
     schedule), never plain but its samples; with no fallback (ngram, suffix) it runs plain
-    steps. Lookup chains slower too: plain but for both kinds' probes."""
+    steps. Lookup chains slower too: plain but for both kinds' probes. (Steps all alike: each
+    kind's first QUICK_SAMPLES are conclusive.)"""
     kinds = run_kinds(Realized(), 600, {SPEC: 1.2, LOOKUP_ONLY: 0.8})
     off = kinds.index(LOOKUP_ONLY)
-    assert kinds[:off] == [PLAIN] + [SPEC] * MIN_SAMPLES
+    assert kinds[:off] == [PLAIN] + [SPEC] * QUICK_SAMPLES
     assert kinds[off:].count(SPEC) <= 5 * PROBE_RUN and kinds[off:].count(PLAIN) <= 1 + 600 // PLAIN_SAMPLE_EVERY
     assert LOOKUP_ONLY not in run_kinds(Realized(), 600, {SPEC: 1.2, LOOKUP_ONLY: 0.8}, fallback=False)
     both = run_kinds(Realized(), 600, {SPEC: 1.2, LOOKUP_ONLY: 1.2})
-    assert both[off:].count(PLAIN) >= 600 - off - MIN_SAMPLES - 2 * 5 * PROBE_RUN  # probes of each kind
-    assert both[off:off + MIN_SAMPLES] == [LOOKUP_ONLY] * MIN_SAMPLES  # judged on its own samples
+    assert both[off:].count(PLAIN) >= 600 - off - QUICK_SAMPLES - 2 * 5 * PROBE_RUN  # probes of each kind
+    assert both[off:off + QUICK_SAMPLES] == [LOOKUP_ONLY] * QUICK_SAMPLES  # judged on its own samples
 
 
 def test_speculation_judged_on_tokens_over_time_not_on_per_step_ratios():

@@ -33,7 +33,10 @@ PROBE_BUDGET, PROBE_LONGEST = 0.01, 1024  # what probe runs may cost (a share of
 MIN_SAMPLES = 8  # speculative samples at a batch size before it can be judged slower
 QUICK_SAMPLES, QUICK_RATIO = 3, 2.0  # ... or this many, where a kind measures over this many times
 # plain's seconds per token (a GPU's graph-replayed step against a step's host work and draft
-# passes: 2-4x at 64 in flight on an H100); a CPU's one stalled step in three does not get there
+# passes: 2-4x at 64 in flight on an H100); a CPU's one stalled step in three does not get there;
+# or where its samples so far are conclusive (`Realized._conclusive`)
+PLAIN_WEIGHT = 0.2  # an EMA's weight of each new plain sample (its mean: as good as ~9 samples)
+T_95 = (6.31, 2.92, 2.35, 2.13, 2.02, 1.94, 1.89, 1.86)  # Student's t, one-sided 95%, by degrees of freedom
 PLAIN_SAMPLE_EVERY = 64  # steps with speculation between two plain samples of Realized
 FIT_DECAY = 0.95  # per live step of a batch size: the weight of older steps in extra(B)'s fit
 FIT_RIDGE = 4.0  # rows^2 of spread in draft rows before a batch size's own slope outweighs its prior
@@ -243,6 +246,10 @@ class Realized:
     bucket's speculative rate is a ratio of decayed sums (seconds relative to the model's plain
     step time, over tokens): a mean of per-step ratios would count a one-token step in full.
     The sums decay at every step of the bucket, so a probe run outweighs an old verdict.
+    Beside them the same decayed sums of squares give each step's spread around the rate, so
+    that a kind whose first samples are conclusively slower (a load where every step with
+    drafts costs 8% more per token, steps of 16 requests spreading by 4%) is judged on those
+    rather than after MIN_SAMPLES (`_conclusive`).
 
     Two kinds of speculative step are judged apart: SPEC (every proposer) and LOOKUP_ONLY (the
     lookup chains of a tree method without its per-request proposer, e.g. EAGLE's head). Where
@@ -255,7 +262,7 @@ class Realized:
         self.margin = margin  # speculation must beat plain by this much to stay on
         self.decay = decay
         self.plain: dict[int, float] = {}  # bucket -> EMA of relative seconds per token, plain steps
-        # (bucket, kind) -> decayed sums [relative seconds, tokens per request]
+        # (bucket, kind) -> decayed sums [relative seconds s, tokens per request t, steps, s^2, s t, t^2]
         self.spec: dict[tuple[int, int], list[float]] = {}
         self.count: dict[tuple[int, int], int] = {}  # (bucket, kind) -> steps observed
         self.off: dict[tuple[int, int], _Off] = {}
@@ -273,12 +280,13 @@ class Realized:
         n = self.count[(b, kind)] = self.count.get((b, kind), 0) + 1
         self._scale(b, self.decay)
         if kind:
-            sums = self.spec.setdefault((b, kind), [0.0, 0.0])
-            sums[0] += seconds / plain_time
-            sums[1] += tokens / batch
+            sums = self.spec.setdefault((b, kind), [0.0] * 6)
+            s, t = seconds / plain_time, tokens / batch
+            for i, v in enumerate((s, t, 1.0, s * s, s * t, t * t)):
+                sums[i] += v
         else:
             value = seconds * batch / max(1, tokens) / plain_time
-            self.plain[b] = value if n == 1 else 0.8 * self.plain[b] + 0.2 * value
+            self.plain[b] = value if n == 1 else (1 - PLAIN_WEIGHT) * self.plain[b] + PLAIN_WEIGHT * value
         self.since_plain[b] = self.since_plain.get(b, 0) + 1 if kind else 0
 
     def new_requests(self, count: int, batch: int) -> None:
@@ -306,12 +314,11 @@ class Realized:
         for arm in _SPECULATIVE:
             sums = self.spec.get((b, arm))
             if sums is not None:
-                sums[0] *= factor
-                sums[1] *= factor
+                sums[:] = [factor * v for v in sums]
 
     def rate(self, batch: int, kind: int = SPEC) -> float | None:
         """The bucket's measured relative seconds per token in steps of `kind` (None: no sample)."""
-        seconds, tokens = self.spec.get((self.bucket(batch), kind), (0.0, 0.0))
+        seconds, tokens = self.spec.get((self.bucket(batch), kind), (0.0, 0.0))[:2]
         return seconds / tokens if tokens > 0 else None
 
     def speculate(self, batch: int, fallback: bool = False) -> int:
@@ -337,11 +344,12 @@ class Realized:
         drafts costs several plain steps, eight samples of it and a run of six every 32 steps
         would cost more than a short load's whole gain could repay. A batch size with no samples
         of the kind starts from a smaller one's far verdict (`_inherited`)."""
-        seconds, tokens = self.spec.get((b, kind), (0.0, 0.0))
+        seconds, tokens = self.spec.get((b, kind), (0.0, 0.0))[:2]
         if tokens > 0:
             ratio = seconds / tokens / max(plain, 1e-12)
             far = ratio > QUICK_RATIO
-            judged = self.count[(b, kind)] >= (QUICK_SAMPLES if far else MIN_SAMPLES)
+            judged = (self.count[(b, kind)] >= (QUICK_SAMPLES if far else MIN_SAMPLES)
+                      or self._conclusive(b, kind, ratio))
         else:  # no samples here (or none of this batch's requests): a smaller batch's far verdict
             ratio, far, judged = self._inherited(b, kind), True, True
         if ratio * (1 + self.margin) <= 1 or not judged:
@@ -360,6 +368,24 @@ class Realized:
             return True
         return False
 
+    def _conclusive(self, b: int, kind: int, ratio: float) -> bool:
+        """Whether the QUICK_SAMPLES or more samples of `kind` in bucket b say, with 95%
+        confidence (Student's t on their spread), that it does not beat plain by the margin.
+        The rate is a ratio of sums, so its spread is that of each step's seconds around rate
+        x its tokens; plain's mean is as uncertain as its samples (PLAIN_WEIGHT's EMA: ~9 at
+        most; the model's prediction before the first counts as one), each spread as widely
+        as the speculative steps' (the wider: drafting and acceptance vary). Speculation that
+        pays is never judged here: the test only ever ends a losing kind's samples early."""
+        n = self.count[(b, kind)]
+        if n < QUICK_SAMPLES or n - 1 > len(T_95) or ratio * (1 + self.margin) <= 1:
+            return False
+        s, t, w, ss, st, tt = self.spec[(b, kind)]
+        rate = s / t
+        spread = max(0.0, ss - 2 * rate * st + rate * rate * tt) / w * n / (n - 1)  # per step, seconds^2
+        plain_n = min(self.count.get((b, PLAIN), 0), round(2 / PLAIN_WEIGHT - 1)) or 1
+        relative = math.sqrt(spread * (1 / n + 1 / plain_n)) / (t / w) / rate  # of ratio, per unit
+        return ratio * (1 - T_95[n - 2] * relative) * (1 + self.margin) > 1
+
     def _inherited(self, b: int, kind: int) -> float:
         """The far verdict a bucket with no samples of `kind` starts from: the ratio measured at
         the nearest smaller batch size above 4 where the kind was judged, if it was far slower
@@ -372,7 +398,7 @@ class Realized:
         if b <= 100 or not donors:
             return 0.0
         k = max(donors)
-        seconds, tokens = self.spec[(k, kind)]
+        seconds, tokens = self.spec[(k, kind)][:2]
         ratio = seconds / tokens / max(self.plain.get(k, 1.0), 1e-12)
         return ratio if ratio > QUICK_RATIO else 0.0
 
