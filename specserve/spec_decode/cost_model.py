@@ -35,9 +35,13 @@ QUICK_SAMPLES, QUICK_RATIO = 3, 2.0  # ... or this many, where a kind measures o
 # plain's seconds per token (a GPU's graph-replayed step against a step's host work and draft
 # passes: 2-4x at 64 in flight on an H100); a CPU's one stalled step in three does not get there;
 # or where its samples so far are conclusive (`Realized._conclusive`)
-PLAIN_WEIGHT = 0.2  # an EMA's weight of each new plain sample (its mean: as good as ~9 samples)
+PLAIN_WEIGHT = 0.2  # an EMA's weight of each new plain sample (its mean: as good as ~9 samples) ...
+PLAIN_CLIP = 0.1  # ... each within this share of the mean: one stalled step 30% slow moved a bucket's
+# plain rate by 6% (a speculative rate, decayed sums of ~20 steps, by 1.5%): enough for steps with
+# drafts a few percent slower than plain to measure faster until later plain samples undid it
 T_95 = (6.31, 2.92, 2.35, 2.13, 2.02, 1.94, 1.89, 1.86)  # Student's t, one-sided 95%, by degrees of freedom
-PLAIN_SAMPLE_EVERY = 64  # steps with speculation between two plain samples of Realized
+PLAIN_SAMPLE_EVERY = 64  # steps with speculation between two plain samples of Realized ...
+PLAIN_SAMPLES_FIRST = 4  # ... but a fourth as many until a bucket has this many plain samples
 FIT_DECAY = 0.95  # per live step of a batch size: the weight of older steps in extra(B)'s fit
 FIT_RIDGE = 4.0  # rows^2 of spread in draft rows before a batch size's own slope outweighs its prior
 _CALIBRATED: dict[tuple, tuple] = {}  # per process: engines of one model share the measurement
@@ -261,7 +265,7 @@ class Realized:
     def __init__(self, margin: float = 0.02, decay: float = 0.95) -> None:
         self.margin = margin  # speculation must beat plain by this much to stay on
         self.decay = decay
-        self.plain: dict[int, float] = {}  # bucket -> EMA of relative seconds per token, plain steps
+        self.plain: dict[int, float] = {}  # bucket -> relative seconds per token, plain steps (`observe`)
         # (bucket, kind) -> decayed sums [relative seconds s, tokens per request t, steps, s^2, s t, t^2]
         self.spec: dict[tuple[int, int], list[float]] = {}
         self.count: dict[tuple[int, int], int] = {}  # (bucket, kind) -> steps observed
@@ -284,9 +288,12 @@ class Realized:
             s, t = seconds / plain_time, tokens / batch
             for i, v in enumerate((s, t, 1.0, s * s, s * t, t * t)):
                 sums[i] += v
-        else:
-            value = seconds * batch / max(1, tokens) / plain_time
-            self.plain[b] = value if n == 1 else (1 - PLAIN_WEIGHT) * self.plain[b] + PLAIN_WEIGHT * value
+        else:  # the samples' mean, then an EMA of samples within PLAIN_CLIP of it
+            value, mean = seconds * batch / max(1, tokens) / plain_time, self.plain.get(b, 0.0)
+            if n > PLAIN_SAMPLES_FIRST:
+                value = min(max(value, (1 - PLAIN_CLIP) * mean), (1 + PLAIN_CLIP) * mean)
+            w = max(PLAIN_WEIGHT, 1 / n)
+            self.plain[b] = (1 - w) * mean + w * value
         self.since_plain[b] = self.since_plain.get(b, 0) + 1 if kind else 0
 
     def new_requests(self, count: int, batch: int) -> None:
@@ -326,9 +333,12 @@ class Realized:
         decoder has a lookup beside a per-request proposer) LOOKUP_ONLY where SPEC measured
         slower and the lookup chains alone have not."""
         b = self.bucket(batch)
-        if self.since_plain.get(b, PLAIN_SAMPLE_EVERY) >= PLAIN_SAMPLE_EVERY:
+        every = PLAIN_SAMPLE_EVERY // (4 if self.count.get((b, PLAIN), 0) < PLAIN_SAMPLES_FIRST else 1)
+        if self.since_plain.get(b, every) >= every:
             # measure a plain step (taken: a step that turns out to hold a prefill chunk is no
-            # sample, and the bucket is measured against the model's plain step until one is)
+            # sample, and the bucket is measured against the model's plain step until one is);
+            # the first few sooner: one sample (a 10% outlier on a noisy machine) would stand
+            # for plain's rate for 64 steps with speculation
             self.since_plain[b] = 0
             return PLAIN
         plain = self.plain.get(b, 1.0)
