@@ -404,8 +404,8 @@ def test_one_outlying_plain_sample_does_not_stand_for_plain():
 
 
 def test_a_kind_conclusively_slower_on_its_first_samples_is_judged_on_them():
-    """Steps with drafts 10% slower per token, all alike or spreading by 3%, are judged before
-    MIN_SAMPLES (on QUICK_SAMPLES when alike); spreading by 10% (or 3% slower, spreading by
+    """Steps of 16 requests with drafts 10% slower per token, all alike or spreading by 3%, are
+    judged before MIN_SAMPLES (on QUICK_SAMPLES when alike); spreading by 10% (or 3% slower, spreading by
     4%), their first samples say too little, and MIN_SAMPLES judge them. Faster steps, however
     few or alike, are never judged slower."""
     assert run_realized(Realized(), 16, 40, spec_cost=1.1).index(False, 1) == 1 + QUICK_SAMPLES
@@ -416,6 +416,8 @@ def test_a_kind_conclusively_slower_on_its_first_samples_is_judged_on_them():
     for batch in (1, 16):
         gate = Realized()
         assert run_realized(gate, batch, 40, spec_cost=0.9).count(False) <= PLAIN_SAMPLES_FIRST and not gate.off
+    for batch in (1, 4):  # at 1-4 requests a request's first steps are not its later ones: MIN_SAMPLES
+        assert run_realized(Realized(), batch, 40, spec_cost=1.1).index(False, 1) == 1 + MIN_SAMPLES
 
 
 def test_probes_of_a_far_slower_speculation_cost_about_their_budget(monkeypatch):
@@ -511,17 +513,16 @@ def test_a_losing_proposer_falls_back_to_lookup_chains_judged_apart():
     """Steps with the per-request proposer 20% slower than plain, with lookup chains alone 20%
     faster: after SPEC's verdict the gate runs LOOKUP_ONLY steps (SPEC probed at its doubling
     schedule), never plain but its samples; with no fallback (ngram, suffix) it runs plain
-    steps. Lookup chains slower too: plain but for both kinds' probes. (Steps all alike: each
-    kind's first QUICK_SAMPLES are conclusive.)"""
+    steps. Lookup chains slower too: plain but for both kinds' probes."""
     kinds = run_kinds(Realized(), 600, {SPEC: 1.2, LOOKUP_ONLY: 0.8})
     off = kinds.index(LOOKUP_ONLY)
-    assert kinds[:off] == [PLAIN] + [SPEC] * QUICK_SAMPLES
+    assert kinds[:off] == [PLAIN] + [SPEC] * MIN_SAMPLES
     assert kinds[off:].count(SPEC) <= 5 * PROBE_RUN
     assert kinds[off:].count(PLAIN) <= PLAIN_SAMPLES_FIRST + 600 // PLAIN_SAMPLE_EVERY
     assert LOOKUP_ONLY not in run_kinds(Realized(), 600, {SPEC: 1.2, LOOKUP_ONLY: 0.8}, fallback=False)
     both = run_kinds(Realized(), 600, {SPEC: 1.2, LOOKUP_ONLY: 1.2})
-    assert both[off:].count(PLAIN) >= 600 - off - QUICK_SAMPLES - 2 * 5 * PROBE_RUN  # probes of each kind
-    assert both[off:off + QUICK_SAMPLES] == [LOOKUP_ONLY] * QUICK_SAMPLES  # judged on its own samples
+    assert both[off:].count(PLAIN) >= 600 - off - MIN_SAMPLES - 2 * 5 * PROBE_RUN  # probes of each kind
+    assert both[off:off + MIN_SAMPLES] == [LOOKUP_ONLY] * MIN_SAMPLES  # judged on its own samples
 
 
 def test_speculation_judged_on_tokens_over_time_not_on_per_step_ratios():

@@ -385,9 +385,13 @@ class Realized:
         x its tokens; plain's mean is as uncertain as its samples (PLAIN_WEIGHT's EMA: ~9 at
         most; the model's prediction before the first counts as one), each spread as widely
         as the speculative steps' (the wider: drafting and acceptance vary). Speculation that
-        pays is never judged here: the test only ever ends a losing kind's samples early."""
+        pays is never judged here: the test only ever ends a losing kind's samples early. Only
+        above 4 requests: a step's time and tokens there are many requests' average, while at
+        1-4 a request's first steps (the head's first pass, an answer's opening) are not its
+        later ones, and the steps are far from alike (at batch 1 on a Zen 4 it judged the head
+        off after 3-5 samples where MIN_SAMPLES waited for it to pay)."""
         n = self.count[(b, kind)]
-        if n < QUICK_SAMPLES or n - 1 > len(T_95) or ratio * (1 + self.margin) <= 1:
+        if b <= 100 or n < QUICK_SAMPLES or n - 1 > len(T_95) or ratio * (1 + self.margin) <= 1:
             return False
         s, t, w, ss, st, tt = self.spec[(b, kind)]
         rate = s / t
