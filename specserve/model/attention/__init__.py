@@ -11,9 +11,9 @@ metadata itself, once per step, for every layer to share:
 Backends (same interface):
   * `TorchAttention` (sdpa.py): the CPU reference. It gathers every request's context into one
     padded [B, L] batch (gathered.py) and runs one SDPA call per layer with a dense mask.
-  * `CPUPagedAttention` (cpu_paged.py): the CPU float32 backend. Decode and verify rows read
-    the paged cache in place (our AVX2 kernel, specserve/kernels/cpu/paged_attention.c); prefill
-    chunks take TorchAttention's path.
+  * `CPUPagedAttention` (cpu_paged.py): the CPU float32 backend. Every row (decode, verify,
+    prefill) reads the paged cache in place (our AVX2 kernel, specserve/kernels/cpu/paged_attention.c),
+    with bits that depend on its own keys only.
   * `InvariantAttention` (invariant.py): the CPU backend for bfloat16. Same gathered layout,
     but every query row's result is bitwise independent of the batch around it, which is what
     makes speculation exactly lossless in bfloat16.

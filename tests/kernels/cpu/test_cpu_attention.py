@@ -1,8 +1,8 @@
 """Our CPU paged-attention kernel (specserve/kernels/cpu/paged_attention.c) through its backend,
-CPUPagedAttention: decode, chain and tree rows read in place match the SDPA backend (itself
-checked against the references), the kernel writes the step's K/V itself, a prefill chunk
-beside them takes the SDPA path, and a row's result is the same bits whatever the batch around
-it."""
+CPUPagedAttention: decode, chain, tree and prefill rows read in place match the SDPA backend
+(itself checked against the references), the kernel writes the step's K/V itself, and a row's
+result is the same bits whatever the batch around it, however its prompt is chunked and however
+many rows its tree has."""
 
 import pytest
 import torch
@@ -75,16 +75,54 @@ def test_the_kernel_writes_the_new_keys_and_values_from_views_of_one_product(mak
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_prefill_chunk_beside_decodes_takes_the_sdpa_path(make_batch):
+def test_a_prefill_chunk_beside_decodes_goes_to_the_kernel_in_runs(make_batch):
+    """A chunk of 100 rows beside decodes: the kernel takes it in runs of at most
+    KERNEL_MAX_QUERY rows, each with its request's block table; it matches SDPA, and its rows
+    have the bits they get in chunks of other lengths (a prompt's K/V the same however the
+    scheduler cut it, or a prefix cache left it)."""
+    from specserve.model.attention.cpu_paged import KERNEL_MAX_QUERY
+
     q_lens, prefix = [1, 100, 3, 1], [30, 0, 12, 70]
     b = make_batch(q_lens, prefix, 6, 2, 32, 16, seed=2)
     backend = A.CPUPagedAttention()
     meta = backend.build_metadata(b["seq_lens"].tolist(), q_lens, [r.tolist() for r in b["block_tables"]],
                                   16, torch.device("cpu"))
-    assert [(g.tolist(), sub.query_start is not None) for g, sub in meta.parts] == [
-        ([0, 101, 102, 103, 104], True), (list(range(1, 101)), False)]
-    torch.testing.assert_close(attend(backend, b, q_lens), attend(A.TorchAttention(), b, q_lens),
-                               atol=1e-5, rtol=1e-5)
+    runs = -(-100 // KERNEL_MAX_QUERY)
+    starts = [0, 1] + [1 + KERNEL_MAX_QUERY * i for i in range(1, runs)] + [101, 104, 105]
+    assert meta.query_start.tolist() == starts
+    assert torch.equal(meta.table[1:1 + runs], b["block_tables"][1].to(torch.int64).expand(runs, -1))
+    whole = attend(backend, b, q_lens)
+    torch.testing.assert_close(whole, attend(A.TorchAttention(), b, q_lens), atol=1e-5, rtol=1e-5)
+    for cut in (37, 64, 99):  # the same prompt as a first chunk of `cut` rows, then the rest
+        first, rest = dict(b), dict(b)
+        first["seq_lens"], rest["seq_lens"] = b["seq_lens"].clone(), b["seq_lens"].clone()
+        first["seq_lens"][1] = cut
+        rest_q = b["q"][1 + cut:101]
+        first["q"] = torch.cat([b["q"][:1 + cut], b["q"][101:]])
+        rest["q"] = torch.cat([b["q"][:1], rest_q, b["q"][101:]])
+        for d, lens in ((first, [1, cut, 3, 1]), (rest, [1, 100 - cut, 3, 1])):
+            d["query_start_loc"] = torch.tensor([0, 1, 1 + lens[1], 4 + lens[1], 5 + lens[1]], dtype=torch.int32)
+        a, z = attend(backend, first, [1, cut, 3, 1], rows=[1]), attend(backend, rest, [1, 100 - cut, 3, 1], rows=[1])
+        assert torch.equal(torch.cat([a, z]), whole[1:101]), cut
+
+
+def test_a_tree_of_more_rows_than_a_run_keeps_each_nodes_bits(make_batch):
+    """A verify tree of 25 nodes (more than one run of the kernel's): every node's result has
+    the bits it gets in a tree of its ancestors alone, and matches SDPA."""
+    parents = [-1, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    q_lens, prefix = [1, len(parents), 1], [40, 300, 9]
+    trees = [None, parents, None]
+    b = make_batch(q_lens, prefix, 9, 3, 64, 16, seed=13)
+    backend = A.CPUPagedAttention()
+    whole = attend(backend, b, q_lens, trees)
+    torch.testing.assert_close(whole, attend(A.TorchAttention(), b, q_lens, trees), atol=1e-5, rtol=1e-5)
+    starts = b["query_start_loc"].tolist()
+    small = dict(b, seq_lens=b["seq_lens"].clone())  # the tree cut to its first 7 nodes (still a tree)
+    small["seq_lens"][1] = prefix[1] + 7
+    small["q"] = torch.cat([b["q"][:starts[1] + 7], b["q"][starts[2]:]])
+    small["query_start_loc"] = torch.tensor([0, 1, 8, 9], dtype=torch.int32)
+    part = attend(backend, small, [1, 7, 1], [None, parents[:7], None], rows=[1])
+    assert torch.equal(part, whole[starts[1]:starts[1] + 7])
 
 
 def test_a_row_has_the_same_bits_alone_and_in_any_batch(make_batch):
