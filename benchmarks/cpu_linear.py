@@ -6,14 +6,16 @@
    through a transposed copy), for ours over float32 weights, for ours over the same
    products as GGUF blocks (Q4_1 layers, Q8_0 head: what the default model is), where AVX-512
    takes 13-28 rows straight from the blocks the same blocks through the chunk path AVX2 takes
-   there ("blocks_chunked"), and, on a CPU with native bfloat16, for torch in bfloat16; side
-   by side, best of --repeats.
+   there ("blocks_chunked"), for the same blocks with int8 activations ("gguf", `--quantization
+   gguf`: a8_linear.c), and, on a CPU with native bfloat16, for torch in bfloat16; side by
+   side, best of --repeats.
 2. Plain decoding of the default model end to end, engines side by side: float32 through
    torch's GEMM ("torch"), through our kernel over float32 weights ("ours"), through our
-   kernel over the GGUF blocks ("blocks", the default), and bfloat16 where native (start-up
-   choices overridden); greedy, the same prompts, runs rotated; median tok/s per engine and
-   whether its tokens agree with "ours" (blocks must: the same products bit for bit; torch
-   and bfloat16 need not, they sum in other orders; each engine is lossless against itself).
+   kernel over the GGUF blocks ("blocks", the default), with int8 activations against them
+   ("gguf"), and bfloat16 where native (start-up choices overridden); greedy, the same
+   prompts, runs rotated; median tok/s per engine and whether its tokens agree with "ours"
+   (blocks must: the same products bit for bit; torch, gguf and bfloat16 need not, they
+   round otherwise; each engine is lossless against itself).
 
     python benchmarks/cpu_linear.py [--rows 1 2 4 8 16 64] [--batch 1 8 16] [--max-tokens 64]
         [--repeats 3] [--json OUT.json] [--plot OUT.png]
@@ -39,7 +41,7 @@ def products(rows_list: list[int], repeats: int) -> list[dict]:
     import torch.nn.functional as F
 
     from specserve.kernels.cpu import cpu_linear
-    from specserve.kernels.cpu.cpu_linear import PackedFloat32, pack_float32
+    from specserve.kernels.cpu.cpu_linear import PackedFloat32, pack_a8, pack_float32
     from specserve.model.runner import cpu_has_native_bf16
 
     torch.manual_seed(0)
@@ -51,6 +53,7 @@ def products(rows_list: list[int], repeats: int) -> list[dict]:
     packed = [PackedFloat32(w, None) for w in weights] + [PackedFloat32(head, None)]
     blocks = [pack_float32(w, None) for w in weights] + [pack_float32(head, None)]
     assert {b.format for b in blocks} == {"q4_1", "q8_0"}
+    gguf = [pack_a8(w, None) for w in weights + [head]] if cpu_linear.a8_available() else []
     bf16 = [w.bfloat16() for w in weights + [head]] if cpu_has_native_bf16() else []
     out = []
     for rows in rows_list:
@@ -72,6 +75,8 @@ def products(rows_list: list[int], repeats: int) -> list[dict]:
         sides = {"torch": torch_step, "ours": kernel_step(packed), "blocks": kernel_step(blocks)}
         if 12 < rows <= cpu_linear.direct_rows():
             sides["blocks_chunked"] = chunked(kernel_step(blocks))
+        if gguf:
+            sides["gguf"] = kernel_step(gguf)
         if bf16:
             sides["bf16"] = bf16_step
         best = dict.fromkeys(sides, float("inf"))
@@ -134,6 +139,8 @@ def decode(batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
             engines[name] = LLM(None, dtype="float32", speculative_config=None)
         finally:
             quant.f32_kernel_pays, cpu_linear.pack_blocks = real
+    if cpu_linear.a8_available():
+        engines["gguf"] = LLM(None, quantization="gguf", speculative_config=None)
     if cpu_has_native_bf16():
         engines["bf16"] = LLM(None, dtype="bfloat16", speculative_config=None)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

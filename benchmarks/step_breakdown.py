@@ -3,7 +3,7 @@ number of rows it verifies), drafting (`propose`) and verification (`sample_and_
 decode step, against plain decoding, on a few Spec-Bench prompts at batch 1.
 
     python benchmarks/step_breakdown.py [--category mt_bench] [--limit 3] [--max-tokens 128] \\
-        [--config NAME=JSON ...]     # default: one config, {"method": "eagle"}
+        [--config NAME=JSON ...] [--quantization none|int8|gguf]     # default: one config, {"method": "eagle"}
 
 Each config is a speculative_config; e.g. --config 'p0={"method": "eagle", "min_draft_prob": 0}'.
 """
@@ -64,18 +64,19 @@ def measure(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 def main() -> None:
     from specserve import LLM
     from specserve.bench.spec import load_prompts, named_configs
-    from specserve.config import DEFAULT_MODEL
+    from specserve.config import DEFAULT_MODEL, QUANTIZATION_CHOICES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--category", default="mt_bench")
     p.add_argument("--limit", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--config", action="append", default=[], metavar="NAME=JSON")
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATION_CHOICES))
     args = p.parse_args()
     configs = [("none", None), *named_configs(args.config or ['eagle={"method": "eagle"}'], "--config")]
     rows = []
     for name, config in configs:  # one engine at a time: the others' memory is freed
-        llm = LLM(DEFAULT_MODEL, max_model_len=4096, speculative_config=config)
+        llm = LLM(DEFAULT_MODEL, max_model_len=4096, speculative_config=config, quantization=args.quantization)
         prompts = [llm.apply_chat_template([{"role": "user", "content": t}])
                    for _, t in load_prompts([args.category], args.limit)]
         rows.append((name, measure(llm, prompts, args.max_tokens)))

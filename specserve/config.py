@@ -15,7 +15,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 logger = logging.getLogger("specserve")
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_CHOICES = ("none", "int8")  # the target's weights (specserve.model.quant)
+QUANTIZATION_CHOICES = ("none", "int8", "gguf")  # the target's products (specserve.model.quant)
+# how start-up messages name each (after the dtype)
+QUANTIZATION_NOTE = {"int8": " with int8 weights", "gguf": " with int8 activations against GGUF blocks"}
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0  # seed for dummy weights and unseeded requests' sampling streams
-    quantization: str = "none"  # none | int8 (weight-only, CPU: specserve.model.quant)
+    # none | int8 (weight-only) | gguf (int8 activations against GGUF blocks); CPU: specserve.model.quant
+    quantization: str = "none"
     tensor_parallel_size: int = 1  # ranks the target is split across (specserve.model.parallel)
     enforce_eager: bool = False  # no compiled step, no CUDA graphs (specserve.model.compiled)
     # CUDA: the products, norms and a layer's elementwise steps through batch-invariant kernels
@@ -225,7 +228,7 @@ class EngineConfig:
         if quantization != "none":
             from specserve.model.quant import check_target_quantization
 
-            check_target_quantization(quantization, device)
+            check_target_quantization(quantization, device, dtype)
         spec = speculative_config if isinstance(speculative_config, SpecConfig) \
             else SpecConfig.parse(speculative_config)
         return EngineConfig(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from transformers import AutoTokenizer
 
-from specserve.config import EngineConfig
+from specserve.config import QUANTIZATION_NOTE, EngineConfig
 from specserve.detokenizer import IncrementalDetokenizer
 from specserve.kv_cache.manager import KVCacheManager, cdiv
 from specserve.model.arch import ModelArch
@@ -145,7 +145,7 @@ class Engine:
               f"({self.arch.num_layers} layers, vocab {self.arch.vocab_size}, "
               f"{self.runner.num_blocks} KV blocks, {self.runner.device} "
               f"{str(self.runner.dtype).removeprefix('torch.')}"
-              f"{' with int8 weights' if mc.quantization == 'int8' else ''}"
+              f"{QUANTIZATION_NOTE.get(mc.quantization, '')}"
               f"{', batch-invariant' if self.runner.batch_invariant else ''}"
               f"{f' (products in calls of up to {rows} rows)' if rows else ''}"
               f"{f', tensor parallel {mc.tensor_parallel_size}' if mc.tensor_parallel_size > 1 else ''}, speculation: "

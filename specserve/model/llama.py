@@ -37,15 +37,16 @@ class Linear(nn.Linear):
 
     pad_single_row = False
     rows_per_call = 0  # CPU, --batch-invariant: PyTorch's products in calls of at most this many rows
-    packed = None  # a cpu_linear.PackedFloat32, see finalize_weights
+    packed = None  # a cpu_linear.PackedFloat32 or PackedA8, see finalize_weights and use_gguf_products
     invariant = False  # through specserve::linear_invariant (CUDA, --batch-invariant): see use_invariant_products
 
-    def pack(self) -> None:
+    def pack(self, a8: bool = False) -> None:
         """Move the weights into our kernel's layout, in GGUF's Q4_1 or Q8_0 blocks where
-        they are exactly such blocks (cpu_linear.pack_float32); the dense copy is dropped."""
-        from specserve.kernels.cpu.cpu_linear import pack_float32
+        they are exactly such blocks (cpu_linear.pack_float32); the dense copy is dropped.
+        a8: for products with int8 activations instead (cpu_linear.pack_a8, `--quantization gguf`)."""
+        from specserve.kernels.cpu.cpu_linear import pack_a8, pack_float32
 
-        self.packed = pack_float32(self.weight, self.bias)
+        self.packed = (pack_a8 if a8 else pack_float32)(self.weight, self.bias)
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         self.bias = None
 
@@ -301,6 +302,21 @@ class LlamaForCausalLM(nn.Module):
 
         quantize_linears(self.layers)
         self.lm_head_kernel = Int8Linear.from_linear(self.lm_head)
+
+    def use_gguf_products(self) -> None:
+        """`--quantization gguf`: every projection of every layer and the LM head through
+        specserve.kernels.cpu.cpu_linear.pack_a8 (int8 activations per block of 32 against the
+        GGUF's Q4_1 / Q8_0 blocks; weights that are not such blocks become Q8_0 blocks), each
+        row's bits independent of the batch. The embedding stays float32, and so does
+        `lm_head.weight`, which draft heads read. AVX512-VNNI or AVX2, as measured here."""
+        from specserve.kernels.cpu import cpu_linear
+        from specserve.model.quant import pick_a8_vnni
+
+        self.lm_head_kernel = cpu_linear.pack_a8(self.lm_head.weight, None)
+        for module in self.layers.modules():
+            if isinstance(module, Linear):
+                module.pack(a8=True)
+        pick_a8_vnni([m.packed for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)])
 
     def use_invariant_products(self) -> None:
         """Every product, the LM head's too, and every norm through the batch-invariant kernels

@@ -75,22 +75,30 @@ def quantize_linears(module: nn.Module) -> nn.Module:
     return module
 
 
-def check_target_quantization(value: str, device: str) -> None:
-    """Check that the target's weights can take `--quantization value` on `device` here
+def check_target_quantization(value: str, device: str, dtype: str = "auto") -> None:
+    """Check that the target can take `--quantization value` on `device` in `dtype` here
     (ValueError with the reason); value is one of specserve.config.QUANTIZATION_CHOICES,
     which EngineConfig.create checked before asking."""
     if value == "none":
         return
     if device not in ("auto", "cpu") or (device == "auto" and torch.cuda.is_available()):
-        raise ValueError("quantization: 'int8' runs on the CPU only")
-    if not cpu_linear.available():
+        raise ValueError(f"quantization: {value!r} runs on the CPU only")
+    if value == "int8" and not cpu_linear.available():
         raise ValueError(f"quantization: 'int8' needs the int8 CPU kernel, which cannot run here "
                          f"({cpu_linear.why_unavailable()})")
+    if value == "gguf":
+        if not cpu_linear.available() or not cpu_linear.a8_available():
+            why = cpu_linear.why_unavailable() or cpu_linear.a8_why_unavailable()
+            raise ValueError(f"quantization: 'gguf' needs its CPU kernel, which cannot run here ({why})")
+        if dtype not in ("auto", "float32"):
+            raise ValueError(f"quantization: 'gguf' computes in float32 between its products; "
+                             f"drop --dtype {dtype} (or pass float32)")
 
 
 _INT8_ROWS: dict[tuple, int] = {}
 _F32_PAYS: dict[tuple, bool] = {}
 _WIDE: list[bool] = []  # pick_wide_blocks' answer, once measured
+_VNNI: list[bool] = []  # pick_a8_vnni's
 
 
 def _faster(ours, theirs, hidden: int, dtype: torch.dtype, rows_list=(1, 4), margin: float = 0.9,
@@ -155,17 +163,36 @@ def pick_wide_blocks(layers: list) -> bool:
     if not cpu_linear.available() or not cpu_linear.wide():  # no AVX-512F, or kept to AVX2 (emulated AVX2)
         return False
     if not _WIDE:
-        hidden = layers[0].in_features
-
-        def run(on: bool):
-            def products(x):
-                cpu_linear.wide(on)
-                for layer in layers:
-                    layer(x)
-            return products
-
-        _WIDE.append(_faster(run(True), run(False), hidden, torch.float32, (1, 8), margin=1.0, rounds=3))
+        _WIDE.append(_isa_faster(layers, cpu_linear.wide))
     return cpu_linear.wide(_WIDE[0])
+
+
+def pick_a8_vnni(layers: list) -> bool:
+    """Whether `--quantization gguf`'s products run with AVX512-VNNI or AVX2
+    (specserve.kernels.cpu.cpu_linear.a8_vnni), from which is faster at 4 and 8 rows over
+    `layers` (packed products, as for pick_wide_blocks: the same bits either way). Verify
+    steps have such rows; at one or two rows both read the weights at about memory speed, and
+    which wins there is within a VM's noise (on a Zen 4, 2026-12-01: one row 5.3-6.0 ms either
+    way for the default model, eight rows 8.9 ms with VNNI against 15.8 with AVX2). Sets the
+    kernel's choice and returns it; asked once a process."""
+    if not cpu_linear.a8_available() or not cpu_linear.a8_vnni():  # no AVX512-VNNI, or kept to AVX2
+        return False
+    if not _VNNI:
+        _VNNI.append(_isa_faster(layers, cpu_linear.a8_vnni, (4, 8)))
+    return cpu_linear.a8_vnni(_VNNI[0])
+
+
+def _isa_faster(layers: list, use, rows=(1, 8)) -> bool:
+    """Whether `layers`' products (each taking [rows, hidden]) run at least as fast with
+    use(True) as with use(False) at each of `rows`, side by side."""
+    def run(on: bool):
+        def products(x):
+            use(on)
+            for layer in layers:
+                layer(x)
+        return products
+
+    return _faster(run(True), run(False), layers[0].in_features, torch.float32, rows, margin=1.0, rounds=3)
 
 
 INT8_ROWS = (8, 16, 32, 64)  # row counts int8_rows tries past the first 4

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import CacheConfig, ModelConfig
+from specserve.config import QUANTIZATION_NOTE, CacheConfig, ModelConfig
 from specserve.host import int_tensor
 from specserve.kernels.cpu import layer_ops
 from specserve.model.arch import ModelArch
@@ -124,6 +124,8 @@ class ModelRunner:
         self.quantization = model_config.quantization
         if self.quantization == "int8":
             self.model.quantize_int8()
+        elif self.quantization == "gguf":
+            self.model.use_gguf_products()
         from specserve.model.compiled import step_mode
 
         # (compile, graphs) of the step (model/compiled.py); a compiled CPU step uses no C kernel
@@ -156,7 +158,7 @@ class ModelRunner:
                             if self.device.type == "cpu" and layer_ops.available() else None)
         logger.info("model ready in %.1f s on %s (%s%s, %s attention); KV cache: %d blocks of %d "
                     "tokens", time.time() - start, self.device, str(self.dtype).split(".")[-1],
-                    ", int8 weights" if self.quantization == "int8" else "",
+                    QUANTIZATION_NOTE.get(self.quantization, ""),
                     type(self.backend).__name__, self.num_blocks, self.block_size)
 
     def prepare_steps(self, max_num_seqs: int, max_num_batched_tokens: int, max_width: int) -> None:

@@ -36,7 +36,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATION_CHOICES),
                    help="int8: the target's weights in int8 (one scale per output row) on the CPU, "
                         "through a batch-invariant AVX2 kernel: a quarter of float32's weight "
-                        "bytes, output close to (not identical with) the unquantized model's")
+                        "bytes, output close to (not identical with) the unquantized model's. "
+                        "gguf: every product with int8 activations against the GGUF's Q4_1 / Q8_0 "
+                        "blocks, as GGUF runtimes multiply (CPU, float32): faster, verify rows "
+                        "about a third of float32's cost; output close to (not identical with) "
+                        "the float32 model's")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no compiled step and no CUDA graphs (on CUDA "
                         "both are on by default; a CPU runs eagerly anyway)")

@@ -17,6 +17,11 @@ bit for bit. The kernel rebuilds each weight before its multiply-add (d * q is e
 float32, so d * q + m rounds once, where GGUF's dequantization rounds), so the products, and
 the model's tokens, are exactly the float32 model's.
 
+`pack_a8` packs the same blocks for `a8_linear.c` (`--quantization gguf`): each row of
+activations quantized to int8 per block of 32, and a block's dot product one exact integer sum,
+as GGUF runtimes multiply (close to the float32 products, not the same; a row's bits still do
+not depend on the batch). Weights that are not such blocks become Q8_0 blocks there.
+
 Built and loaded by specserve.kernels.cpu.cbuild. `available()` says whether it can run here, and
 `why_unavailable()` why not: no AVX2/FMA, no compiler, or the build failed.
 """
@@ -51,7 +56,19 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.cpu_linear_wide(0)
 
 
+def _declare_a8(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in ("q4_1_a8_linear", "q8_0_a8_linear"):
+        getattr(lib, name).argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+        getattr(lib, name).restype = ctypes.c_int
+    lib.a8_linear_vnni.argtypes = [ctypes.c_int]
+    lib.a8_linear_vnni.restype = ctypes.c_int
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
+        lib.a8_linear_vnni(0)
+
+
 _kernel = Kernel(Path(__file__).with_name("cpu_linear.c"), _declare)
+_a8_kernel = Kernel(Path(__file__).with_name("a8_linear.c"), _declare_a8)
 
 
 def available() -> bool:
@@ -60,6 +77,22 @@ def available() -> bool:
 
 def why_unavailable() -> str | None:
     return _kernel.why_unavailable()
+
+
+def a8_available() -> bool:
+    return _a8_kernel.available()
+
+
+def a8_why_unavailable() -> str | None:
+    return _a8_kernel.why_unavailable()
+
+
+def a8_vnni(on: bool | None = None) -> bool:
+    """Whether the int8-activation products (`pack_a8`) run with AVX512-VNNI (64 multiply-adds
+    an instruction) or AVX2 (32): the same bits either way. on: True / False sets it (True only
+    takes where the CPU has AVX512-VNNI and AVX512-BW), None asks. Off under
+    ATEN_CPU_CAPABILITY=avx2 or default (the emulated AVX2 machine)."""
+    return bool(_a8_kernel.lib.a8_linear_vnni(-1 if on is None else int(on)))
 
 
 def wide(on: bool | None = None) -> bool:
@@ -192,8 +225,10 @@ class _Packed:
             rows = rows.float().contiguous()
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         if rows.shape[0]:
-            self._fn(rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0), *self._args,
-                     y.data_ptr(), self.out_features, torch.get_num_threads())
+            failed = self._fn(rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0), *self._args,
+                              y.data_ptr(), self.out_features, torch.get_num_threads())
+            if failed:  # (the int8-activation kernels' buffers)
+                raise MemoryError(f"linear: no memory for a product of {rows.shape[0]} rows")
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -225,3 +260,67 @@ def pack_float32(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedFloat
     if found is None:
         return PackedFloat32(weight, bias)
     return PackedFloat32(weight, bias, *found)
+
+
+A8_STRIP = 16  # columns per strip of pack_a8's layout (a8_linear.c)
+
+
+def _q8_0_quantize(w: torch.Tensor):
+    """w [N, K / QK, QK] float32 -> (d float16, q int8) of GGUF's Q8_0 for weights that are not
+    blocks already: d = max |w| / 127 rounded to float16, q = round(w / d)."""
+    d16 = (w.abs().amax(-1) / 127).half()
+    d = d16.float()
+    q = (w / torch.where(d > 0, d, 1)[..., None]).round_().clamp_(-127, 127)
+    return d16, q.to(torch.int8)
+
+
+def _a8_strips(t: torch.Tensor) -> torch.Tensor:
+    """A per-column, per-block field [N', K / QK, F] -> bytes [N' / 16, K / QK, 16 * F * itemsize]:
+    for each strip of 16 columns and block, the field's values column by column."""
+    n, kb, f = t.shape
+    return t.view(n // A8_STRIP, A8_STRIP, kb, f).transpose(1, 2).contiguous().view(torch.uint8).reshape(
+        n // A8_STRIP, kb, -1)
+
+
+def _a8_values(q: torch.Tensor, group: int) -> torch.Tensor:
+    """q [N', K / QK, QK] uint8 -> [N' / 16, K / QK, QK * 16 / (group / 4)] bytes in vpdpbusd's
+    order: groups of `group` k (8 for Q4_1's nibbles, 4 for Q8_0's bytes), each the strip's 16
+    columns' 4 bytes side by side; a Q4_1 byte holds k = 8g + j (low nibble) and 8g + 4 + j."""
+    n, kb, _ = q.shape
+    q = q.view(n // A8_STRIP, A8_STRIP, kb, QK // group, group // 4, 4)  # [S, c, kb, g, half, j]
+    if group == 8:
+        q = q[..., 0, :] | (q[..., 1, :] << 4)  # [S, c, kb, g, j]
+    else:
+        q = q[..., 0, :]
+    return q.permute(0, 2, 3, 1, 4).contiguous().reshape(n // A8_STRIP, kb, -1)
+
+
+def pack_a8(weight: torch.Tensor, bias: torch.Tensor | None) -> "PackedA8":
+    """A float32 layer [N, K] for `a8_linear.c`: its Q4_1 blocks where the weights are exactly
+    such blocks, else Q8_0 blocks (exactly, where they are, or quantized to them)."""
+    w = weight.detach().cpu().float()
+    n, k = w.shape
+    if k % QK:
+        raise ValueError(f"--quantization gguf: {k} input features is not a multiple of {QK}")
+    blocks = w.reshape(n, k // QK, QK)
+    found = _q4_1_blocks(blocks) if bool(torch.isfinite(w).all()) else None
+    if found is not None:
+        d, m, q = (_pad_rows(t) for t in found)
+        packed = torch.cat([_a8_strips(d[..., None]), _a8_strips(m[..., None]), _a8_values(q, 8)], -1)
+        return PackedA8(packed.contiguous(), (n, k), bias, "q4_1")
+    found = _q8_0_blocks(blocks) or _q8_0_quantize(blocks)
+    d, q = (_pad_rows(t) for t in found)
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8)  # vpdpbusd multiplies unsigned by signed bytes
+    packed = torch.cat([_a8_strips(d[..., None]), _a8_values(shifted, 4)], -1)
+    return PackedA8(packed.contiguous(), (n, k), bias, "q8_0")
+
+
+class PackedA8(_Packed):
+    """y = x @ W.T + bias with x quantized per row and block of 32 to int8 and W in Q4_1 or
+    Q8_0 blocks (`pack_a8`, a8_linear.c)."""
+
+    def __init__(self, packed: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None, fmt: str) -> None:
+        assert _a8_kernel.lib is not None, _a8_kernel.why_unavailable()
+        self.format = fmt
+        super().__init__(packed, shape, None, bias, getattr(_a8_kernel.lib, f"{fmt}_a8_linear"))
+
