@@ -87,9 +87,13 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_isa(fmt):
         cpu_linear.a8_vnni(was)
 
 
-def test_pack_a8_refuses_what_is_not_whole_blocks():
+def test_pack_a8_refuses_what_is_not_whole_blocks_or_finite():
     with pytest.raises(ValueError, match="not a multiple of 32"):
         cpu_linear.pack_a8(torch.randn(16, 40), None)
+    w = torch.randn(16, 64)
+    w[3, 5] = float("inf")
+    with pytest.raises(ValueError, match="not all finite"):
+        cpu_linear.pack_a8(w, None)
 
 
 def test_the_a8_isa_is_measured_and_set(monkeypatch):
@@ -143,8 +147,12 @@ def test_gguf_target_keeps_speculation_lossless(tmp_path):
 
 def test_default_model_with_gguf_products_speculates_losslessly():
     """The default model (Q4_1 layers, a Q8_0 LM head) with int8 activations: its blocks as
-    they are, answers close to the float32 model's, and prompt lookup and EAGLE (drafting every
-    step) give plain decoding's tokens."""
+    they are, and prompt lookup and EAGLE (drafting every step: trees of up to 25 rows, more
+    than one of the attention kernel's runs) give plain decoding's tokens, as does plain
+    decoding of a prompt alone after a prefix-cache hit (its last rows recomputed in a chunk
+    of another length). int8 activations turn a last-bit difference anywhere before a product
+    into a different token within a few dozen, so this checks that every row's bits are its
+    own (it failed while prefill chunks and large trees went through SDPA)."""
     from specserve import LLM, SamplingParams
 
     prompts = ["Repeat after me: the quick brown fox jumps over the lazy dog. the quick brown fox",
@@ -153,10 +161,13 @@ def test_default_model_with_gguf_products_speculates_losslessly():
     outs = {}
     for config in (None, {"method": "ngram", "adaptive": False}, {"method": "eagle", "adaptive": False}):
         llm = LLM(None, speculative_config=config, quantization="gguf", num_blocks=64, max_model_len=256)
+        outs[str(config)] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         if config is None:
             model = llm.engine.runner.model
             assert {model.layers[0].self_attn.qkv_proj.packed.format, model.lm_head_kernel.format} == {"q4_1", "q8_0"}
-        outs[str(config)] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            hits = llm.engine.stats.prefix_cache_hit_tokens
+            outs["alone, cached"] = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+            assert llm.engine.stats.prefix_cache_hit_tokens > hits
         if config is not None:
             assert llm.engine.stats.spec_num_drafts > 0
     assert len(set(map(str, outs.values()))) == 1, outs

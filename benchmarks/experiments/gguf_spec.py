@@ -6,7 +6,7 @@ Each speculative engine is checked against its own set's plain decoding (0 misma
 within a set; the two sets' answers differ, as their products round otherwise).
 
     python benchmarks/experiments/gguf_spec.py [--skip 5] [--limit 5] [--max-tokens 128]
-        [--category qa ...] [--json OUT.json]
+        [--category qa ...] [--json OUT.json] [--plot OUT.png]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> None:
 
     p = spec.add_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="a PNG of every engine's decode tok/s over float32 plain decoding's")
     args = p.parse_args()
     args.eagle = args.eagle or "default"
     sets = {}
@@ -56,6 +57,22 @@ def main() -> None:
         f"{q}/{m} {o['decode_tokens_per_s'] / base:.2f}x" for q, r in result.items() for m, o in r["overall"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(result, Path(args.plot))
+
+
+def plot(result: dict, path: Path) -> None:
+    """Each engine's decode tok/s per category over float32 plain decoding's there."""
+    from specserve.bench.spec import grouped_bars
+
+    rows = {(q, r["category"], r["method"]): r["decode_tokens_per_s"] for q, res in result.items() for r in res["rows"]}
+    cats = list(dict.fromkeys(c for _, c, _ in rows))
+    names = list(dict.fromkeys((q, m) for q, _, m in rows))
+    series = {("" if q == "none" else f"{q} ") + ("plain" if m == "none" else m):
+              [rows[(q, c, m)] / rows[("none", c, "none")] for c in cats] for q, m in names}
+    grouped_bars(path, cats, series, "decode tok/s over float32 plain decoding",
+                 f"Spec-Bench, greedy, batch 1: float32 blocks and --quantization gguf ({result['none']['date']})",
+                 baseline=1.0, rotation=20)
 
 
 if __name__ == "__main__":

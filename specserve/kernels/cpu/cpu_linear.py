@@ -302,8 +302,10 @@ def pack_a8(weight: torch.Tensor, bias: torch.Tensor | None) -> "PackedA8":
     n, k = w.shape
     if k % QK:
         raise ValueError(f"--quantization gguf: {k} input features is not a multiple of {QK}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("--quantization gguf: a layer's weights are not all finite")
     blocks = w.reshape(n, k // QK, QK)
-    found = _q4_1_blocks(blocks) if bool(torch.isfinite(w).all()) else None
+    found = _q4_1_blocks(blocks)
     if found is not None:
         d, m, q = (_pad_rows(t) for t in found)
         packed = torch.cat([_a8_strips(d[..., None]), _a8_strips(m[..., None]), _a8_values(q, 8)], -1)
