@@ -308,15 +308,22 @@ class LlamaForCausalLM(nn.Module):
         specserve.kernels.cpu.cpu_linear.pack_a8 (int8 activations per block of 32 against the
         GGUF's Q4_1 / Q8_0 blocks; weights that are not such blocks become Q8_0 blocks), each
         row's bits independent of the batch. The embedding stays float32, and so does
-        `lm_head.weight`, which draft heads read. AVX512-VNNI or AVX2, as measured here."""
+        `lm_head.weight`, which draft heads read. AVX512-VNNI or AVX2, as measured here. Runs
+        before finalize_weights, which then finds the products packed and leaves them."""
         from specserve.kernels.cpu import cpu_linear
         from specserve.model.quant import pick_a8_vnni
 
-        self.lm_head_kernel = cpu_linear.pack_a8(self.lm_head.weight, None)
+        pick_a8_vnni(self._pack_products(cpu_linear.pack_a8, a8=True))
+
+    def _pack_products(self, pack_head, a8: bool = False) -> list:
+        """The LM head through pack_head(weight, None) (its weight stays: draft heads read it)
+        and every layer's products packed (`Linear.pack`); returns the layers' q/k/v and gate/up
+        products, what the start-up choices of an instruction set time."""
+        self.lm_head_kernel = pack_head(self.lm_head.weight.detach(), None)
         for module in self.layers.modules():
             if isinstance(module, Linear):
-                module.pack(a8=True)
-        pick_a8_vnni([m.packed for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)])
+                module.pack(a8)
+        return [m.packed for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)]
 
     def use_invariant_products(self) -> None:
         """Every product, the LM head's too, and every norm through the batch-invariant kernels
@@ -383,13 +390,9 @@ class LlamaForCausalLM(nn.Module):
         cpu = weight.device.type == "cpu"
         f32 = cpu and weight.dtype == torch.float32
         if c_kernels and f32 and self.lm_head_kernel is None and cpu_linear.available():
-            self.lm_head_kernel = cpu_linear.pack_float32(weight, None)
-            for module in self.layers.modules():
-                if isinstance(module, Linear):
-                    module.pack()
+            layers = self._pack_products(cpu_linear.pack_float32)
             if self.lm_head_kernel.format != "f32":  # GGUF blocks: AVX-512 or AVX2, as measured here
-                pick_wide_blocks([m.packed for layer in self.layers
-                                  for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)])
+                pick_wide_blocks(layers)
         self.lm_head_t = weight.t().contiguous() if f32 and self.lm_head_kernel is None else None
         for module in self.modules():
             if isinstance(module, Linear):
