@@ -9,11 +9,13 @@ steps of the engine (no speculation) are profiled. Each CPU op's self time goes 
               write of the backend
   small ops   every other ATen op (norms, rotary, activations, copies, views, indexing, cat)
   sampling    argmax / softmax / topk / sort / multinomial and the logits' own ops
+  layers      the C decoder's one call for every layer (specserve/kernels/cpu/decoder.c: their
+              products, attention and small ops together); --layer-by-layer splits it up
   python      the step's wall time minus every op's self time: interpreter, module calls,
               metadata built in Python, scheduling, detokenizing
 
     python benchmarks/profile_step.py [--batch 1 16] [--dtype float32] [--quantization none]
-        [--context 128] [--steps 8] [--model NAME] [--top 12] [--json OUT.json]
+        [--context 128] [--steps 8] [--model NAME] [--top 12] [--json OUT.json] [--layer-by-layer]
 
 Prints, per batch size, ms per step and share by class, and the top ops by self time.
 """
@@ -42,7 +44,7 @@ def name_kernels() -> None:
     counted as products, attention or small ops rather than as Python."""
     import torch
 
-    from specserve.kernels.cpu import cpu_attention, cpu_linear, layer_ops
+    from specserve.kernels.cpu import cpu_attention, cpu_linear, decoder, layer_ops
 
     def named(fn, label):
         def call(*args, **kwargs):
@@ -51,12 +53,15 @@ def name_kernels() -> None:
         return call
 
     cpu_linear._Packed.__call__ = named(cpu_linear._Packed.__call__, "specserve::cpu_linear")
+    decoder.Decoder.__call__ = named(decoder.Decoder.__call__, "specserve::decoder")
     cpu_attention.paged_attention = named(cpu_attention.paged_attention, "specserve::paged_attention")
     for op in ("rms_norm", "rotary_", "silu_mul", "argmax"):
         setattr(layer_ops, op, named(getattr(layer_ops, op), f"specserve::{op}"))
 
 
 def classify(name: str) -> str:
+    if name == "specserve::decoder":
+        return "layers"
     if name.startswith(GEMM):
         return "gemm"
     if any(k in name for k in ATTENTION):
@@ -109,23 +114,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"])
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"])
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--model", default=None)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--json", default=None)
+    p.add_argument("--layer-by-layer", action="store_true",
+                   help="the layers called one by one from Python (the C decoder off), to split its time up")
     args = p.parse_args()
     from specserve import LLM
 
     llm = LLM(args.model, dtype=args.dtype, speculative_config=None, max_num_seqs=max(args.batch),
               enable_prefix_caching=False, quantization=args.quantization)
+    if args.layer_by_layer:
+        llm.engine.runner.model.decoder = None
     name_kernels()
     results = []
     for b in args.batch:
         r = profile(llm, b, args.context, args.steps)
-        results.append({"dtype": args.dtype, "quantization": args.quantization, **r})
-        weights = args.dtype + (" int8" if args.quantization == "int8" else "")
+        results.append({"dtype": args.dtype, "quantization": args.quantization,
+                        "layer_by_layer": args.layer_by_layer, **r})
+        weights = args.dtype + ("" if args.quantization == "none" else f" {args.quantization}")
         print(f"\nbatch {b}, {weights}: {r['step_ms']:.1f} ms per decode step "
               f"({1e3 * b / r['step_ms']:.1f} tok/s)")
         for k, v in sorted(r["classes_ms"].items(), key=lambda kv: -kv[1]):

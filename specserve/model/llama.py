@@ -18,6 +18,7 @@ from specserve.kernels.cpu import layer_ops
 from specserve.kernels.triton.rms_norm import rms_norm_ref
 from specserve.model.arch import ModelArch
 from specserve.model.attention import AttentionMetadata
+from specserve.model.attention.cpu_paged import CPUPagedMetadata
 
 
 class Linear(nn.Linear):
@@ -258,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
         # decoder layers whose outputs (the residual stream after them) the forward also returns,
         # after the final hidden states: an EAGLE-3 head's fused features (spec_decode/eagle.py)
         self.aux_layers: tuple[int, ...] = ()
+        self.decoder = None  # every layer in one C call (CPU float32): see use_layer_ops
 
     @property
     def output_width(self) -> int:
@@ -273,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
         compiled DecoderLayer.forward, model/compiled.py), else the layer itself."""
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.table(positions, x.dtype)
+        if self.decoder is not None and layer_fn is None and type(meta) is CPUPagedMetadata:
+            return self.decoder(x, *rotary, kv_caches, meta, self.aux_layers)
         residual = None
         aux = []
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -402,12 +406,43 @@ class LlamaForCausalLM(nn.Module):
     def use_layer_ops(self, enabled: bool) -> None:
         """Every norm's `add`, every rotary embedding and every MLP activation through
         specserve.kernels.cpu.layer_ops (CPU float32; rotary only where no q/k norm comes between
-        projection and rotation), or through PyTorch ops."""
+        projection and rotation), or through PyTorch ops. Enabled, and where every layer is
+        then our kernels alone, the layers run in one C call a step (`decoder`)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = enabled
             elif isinstance(module, Attention):
                 module.fused_rotary = enabled and module.q_norm is None
+        self.decoder = self._c_decoder() if enabled else None
+
+    def _c_decoder(self):
+        """specserve.kernels.cpu.decoder.Decoder over every layer, or None where a layer is not
+        our kernels alone: a product that is not a cpu_linear kernel (PyTorch's GEMM, a tensor
+        parallel shard), q/k norms, a norm's own eps, an embedding that is not the plain table.
+        The forward then runs it for steps of the CPU paged attention kernel (CPUPagedMetadata),
+        with the same bits as the layer-by-layer path."""
+        from specserve.kernels.cpu import decoder
+        from specserve.kernels.cpu.cpu_linear import _Packed
+        from specserve.model.quant import Int8Linear
+
+        def packed(m):
+            kernel = m.packed if type(m) is Linear else getattr(m, "kernel", None) if type(m) is Int8Linear else None
+            return kernel if isinstance(kernel, _Packed) else None
+
+        if type(self.embed_tokens) is not nn.Embedding or not decoder.available():
+            return None
+        eps, layers = self.norm.eps, []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            products = [packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (None in products or attn.q_norm is not None or type(layer) is not DecoderLayer
+                    or any(type(n) is not RMSNorm or n.eps != eps for n in norms)):
+                return None
+            layers.append((*products, *(n.weight.data for n in norms)))
+        a = self.arch
+        return decoder.Decoder(layers, self.norm.weight.data, a.hidden_size, a.num_heads, a.num_kv_heads,
+                               a.head_dim, a.intermediate_size, eps, a.head_dim ** -0.5)
 
     # -- weights --------------------------------------------------------------------------
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -89,6 +89,15 @@ def _wide_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, rows: int 
     return best[True] < best[False]
 
 
+def kernel_address(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """The address of the C function `paged_attention` calls (for a caller in C: decoder.c),
+    its AVX-512 choice made first for a model of this shape, as that first call makes it."""
+    assert _kernel.lib is not None, _kernel.why_unavailable()
+    if not _picked:
+        pick_wide(num_heads, num_kv_heads, head_dim)
+    return ctypes.cast(_kernel.lib.paged_attention, ctypes.c_void_p).value
+
+
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the kernel covers a model of this shape and dtype on this machine."""
     return (dtype == torch.float32 and head_dim % 8 == 0 and num_heads % num_kv_heads == 0

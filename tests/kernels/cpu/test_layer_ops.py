@@ -178,6 +178,9 @@ def test_model_uses_them_on_cpu_float32(make_llm, tiny_model_dir, monkeypatch):
     assert all(m.fused_rotary for m in model.modules() if isinstance(m, Attention))
     assert all(m.fused for m in model.modules() if isinstance(m, MLP))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    in_c = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
+    assert model.decoder is not None and calls == dict.fromkeys(calls, 0)  # every layer in one C call
+    model.decoder = None  # the layer-by-layer path: these kernels called one by one
     fused = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
     layers = len(model.layers)
     assert calls["rms_norm"] >= 2 * layers + 1 and calls["rotary_"] >= layers  # per forward at least
@@ -186,4 +189,4 @@ def test_model_uses_them_on_cpu_float32(make_llm, tiny_model_dir, monkeypatch):
     before = dict(calls)
     plain = [o.outputs[0].token_ids for o in llm.generate(["a b c", "hello there"], params)]
     assert calls == before  # PyTorch ops only
-    assert fused == plain
+    assert fused == plain == in_c

@@ -1,0 +1,144 @@
+"""A CPU float32 model's decoder layers over a step in one C call (`decoder.c`).
+
+Called layer by layer from Python, a decode step of the default model at one row spent ~40%
+of its time outside the products (module calls, each kernel wrapper's checks and pointers,
+views, allocations). `Decoder` takes every layer's kernels and weights once, as pointers, and
+runs the layers' loop in C, calling the same kernels (cpu_linear.c or a8_linear.c's products,
+layer_ops.c's norms, rotary and activation, paged_attention.c) in the same order: a row gets
+the bits the layer-by-layer path gives it, whatever the batch. LlamaForCausalLM builds one
+where every layer's parts are these kernels (`LlamaForCausalLM.use_layer_ops`), and runs it for
+steps whose attention metadata is the CPU paged kernel's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specserve.kernels.cpu import cpu_attention, layer_ops
+from specserve.kernels.cpu.cbuild import Kernel
+
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("fn", _ptr), ("status", _i64), ("packed", _ptr), ("n", _i64), ("scale", _ptr), ("bias", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+                ("in_norm", _ptr), ("post_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("rms_norm", _ptr), ("rotary", _ptr), ("silu_mul", _ptr), ("attention", _ptr),
+                ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("inter", _i64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", _ptr)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _i64), ("runs", _i64), ("block_size", _i64), ("max_blocks", _i64), ("max_keys", _i64),
+                ("block_tables", _ptr), ("query_start", _ptr), ("dense", _ptr), ("extra_ptr", _ptr),
+                ("extra_pos", _ptr), ("slot_mapping", _ptr), ("cos", _ptr), ("sin", _ptr)]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.decoder_work.argtypes = [ctypes.POINTER(_Model), _i64]
+    lib.decoder_work.restype = _i64
+    lib.decoder_layers.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64, ctypes.POINTER(_Step),
+                                   _ptr, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int]
+    lib.decoder_layers.restype = ctypes.c_int
+
+
+_kernel = Kernel(Path(__file__).with_name("decoder.c"), _declare)
+
+
+def available() -> bool:
+    return _kernel.available() and layer_ops.available() and cpu_attention.available()
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _proj(packed, in_features: int, out_features: int) -> _Proj:
+    """A cpu_linear product (`_Packed`: any of its formats) as decoder.c calls it."""
+    if (packed.in_features, packed.out_features) != (in_features, out_features):
+        raise ValueError(f"decoder: a product of {packed.in_features} -> {packed.out_features} features, "
+                         f"expected {in_features} -> {out_features}")
+    fn, scale, bias = packed._fn, packed.scales, packed.bias
+    return _Proj(_address(fn), int(fn.restype is not None), packed.packed.data_ptr(), out_features,
+                 0 if scale is None else scale.data_ptr(), 0 if bias is None else bias.data_ptr())
+
+
+def _weight(t: torch.Tensor, size: int) -> int:
+    if not (t.dtype == torch.float32 and t.is_contiguous() and t.numel() == size and t.device.type == "cpu"):
+        raise ValueError("decoder: norm weights must be contiguous float32 CPU tensors of the hidden size")
+    return t.data_ptr()
+
+
+class Decoder:
+    """Every decoder layer of one model; `layers`: per layer (qkv, o, gate_up, down: cpu_linear
+    products; input and post-attention norm weights). The weights are read through pointers
+    taken here: they must not move (the packed products' never do; the norm weights are the
+    model's parameters, kept here too)."""
+
+    def __init__(self, layers: Sequence[tuple], final_norm: torch.Tensor, hidden: int, heads: int, kv_heads: int,
+                 head_dim: int, inter: int, eps: float, scale: float) -> None:
+        lib = _kernel.lib
+        assert lib is not None and available(), _kernel.why_unavailable()
+        nq, nkv = heads * head_dim, kv_heads * head_dim
+        self.hidden, self.kv_shape = hidden, (kv_heads, head_dim)
+        self._keep = (layers, final_norm)
+        self._layers = (_Layer * len(layers))()
+        for slot, (qkv, o, gate_up, down, in_norm, post_norm) in zip(self._layers, layers):
+            slot.qkv, slot.o = _proj(qkv, hidden, nq + 2 * nkv), _proj(o, nq, hidden)
+            slot.gate_up, slot.down = _proj(gate_up, hidden, 2 * inter), _proj(down, inter, hidden)
+            slot.in_norm, slot.post_norm = _weight(in_norm, hidden), _weight(post_norm, hidden)
+        self._model = _Model(_address(layer_ops._kernel.lib.rms_norm), _address(layer_ops._kernel.lib.rotary),
+                             _address(layer_ops._kernel.lib.silu_mul),
+                             cpu_attention.kernel_address(heads, kv_heads, head_dim),
+                             hidden, heads, kv_heads, head_dim, inter, eps, scale, _weight(final_norm, hidden))
+        self._work_per_row = lib.decoder_work(ctypes.byref(self._model), 1)
+        self._kv: list | None = None  # the KV caches the layers' pointers were taken from
+        self._aux: tuple[tuple[int, ...], ctypes.Array] | None = None
+
+    def _bind(self, kv_caches: list) -> None:
+        """Each layer's K and V cache pointers, from the runner's list (kept: it never changes)."""
+        if len(kv_caches) != len(self._layers):
+            raise ValueError(f"decoder: {len(kv_caches)} KV caches for {len(self._layers)} layers")
+        for slot, (k, v) in zip(self._layers, kv_caches):
+            if not (k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+                    and k.shape == v.shape and k.dim() == 4 and tuple(k.shape[2:]) == self.kv_shape):
+                raise ValueError("decoder: contiguous float32 KV caches [blocks, block_size, kv_heads, head_dim]")
+            slot.k_cache, slot.v_cache = k.data_ptr(), v.data_ptr()
+        self._kv = kv_caches
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list, meta,
+                 aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """x: [T, hidden] float32 contiguous, the step's embeddings (overwritten: the residual
+        stream); cos, sin: [T, 1, head_dim / 2] float32 contiguous; meta: a CPUPagedMetadata ->
+        [T, hidden * (1 + len(aux_layers))]: the final hidden states, then each aux layer's output."""
+        if kv_caches is not self._kv:
+            self._bind(kv_caches)
+        rows = x.shape[0]
+        width = self.hidden * (1 + len(aux_layers))
+        out = torch.empty(rows, width)
+        work = torch.empty(rows * self._work_per_row)
+        if self._aux is None or self._aux[0] != aux_layers:
+            self._aux = (aux_layers, (_i64 * max(1, len(aux_layers)))(*aux_layers))
+        table = meta.table
+        step = _Step(rows, meta.query_start.shape[0] - 1, kv_caches[0][0].shape[1], table.shape[1], meta.max_keys,
+                     table.data_ptr(), meta.query_start.data_ptr(), meta.dense.data_ptr(), meta.extra_ptr.data_ptr(),
+                     meta.extra_pos.data_ptr(), meta.slot_mapping.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        rc = _kernel.lib.decoder_layers(ctypes.byref(self._model), self._layers, len(self._layers),
+                                        ctypes.byref(step), x.data_ptr(), work.data_ptr(), self._aux[1],
+                                        len(aux_layers), out.data_ptr(), width, torch.get_num_threads())
+        if rc == -2:
+            raise ValueError(f"paged_attention: at most {cpu_attention.MAX_ROWS} query tokens per request")
+        if rc:
+            raise MemoryError(f"decoder: no memory for a step of {rows} rows")
+        return out
