@@ -217,6 +217,12 @@ class _Packed:
         self._args = (self.packed.data_ptr(), self.out_features, 0 if self.scales is None else self.scales.data_ptr(),
                       0 if self.bias is None else self.bias.data_ptr())
 
+    def c_entry(self) -> tuple[int, bool, int, int, int, int]:
+        """What a caller in C passes to run this product (decoder.c): the address of the
+        kernel's function, whether it returns a status (the int8-activation kernels: -1 when
+        out of memory), then the packed weights, output columns, scales and bias (0: none)."""
+        return (ctypes.cast(self._fn, ctypes.c_void_p).value, self._fn.restype is not None, *self._args)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:  # the kernel trusts its sizes
             raise ValueError(f"linear: input has {x.shape[-1]} features, expected {self.in_features}")

@@ -60,18 +60,13 @@ def available() -> bool:
     return _kernel.available() and layer_ops.available() and cpu_attention.available()
 
 
-def _address(fn) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value
-
-
 def _proj(packed, in_features: int, out_features: int) -> _Proj:
     """A cpu_linear product (`_Packed`: any of its formats) as decoder.c calls it."""
     if (packed.in_features, packed.out_features) != (in_features, out_features):
         raise ValueError(f"decoder: a product of {packed.in_features} -> {packed.out_features} features, "
                          f"expected {in_features} -> {out_features}")
-    fn, scale, bias = packed._fn, packed.scales, packed.bias
-    return _Proj(_address(fn), int(fn.restype is not None), packed.packed.data_ptr(), out_features,
-                 0 if scale is None else scale.data_ptr(), 0 if bias is None else bias.data_ptr())
+    fn, status, weights, n, scale, bias = packed.c_entry()
+    return _Proj(fn, int(status), weights, n, scale, bias)
 
 
 def _weight(t: torch.Tensor, size: int) -> int:
@@ -98,8 +93,7 @@ class Decoder:
             slot.qkv, slot.o = _proj(qkv, hidden, nq + 2 * nkv), _proj(o, nq, hidden)
             slot.gate_up, slot.down = _proj(gate_up, hidden, 2 * inter), _proj(down, inter, hidden)
             slot.in_norm, slot.post_norm = _weight(in_norm, hidden), _weight(post_norm, hidden)
-        self._model = _Model(_address(layer_ops._kernel.lib.rms_norm), _address(layer_ops._kernel.lib.rotary),
-                             _address(layer_ops._kernel.lib.silu_mul),
+        self._model = _Model(*(layer_ops.kernel_address(f) for f in ("rms_norm", "rotary", "silu_mul")),
                              cpu_attention.kernel_address(heads, kv_heads, head_dim),
                              hidden, heads, kv_heads, head_dim, inter, eps, scale, _weight(final_norm, hidden))
         self._work_per_row = lib.decoder_work(ctypes.byref(self._model), 1)

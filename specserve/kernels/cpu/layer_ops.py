@@ -54,6 +54,13 @@ def why_unavailable() -> str | None:
     return _kernel.why_unavailable()
 
 
+def kernel_address(name: str) -> int:
+    """The address of one of layer_ops.c's functions (rms_norm, rotary, silu_mul), for a
+    caller in C (decoder.c)."""
+    assert _kernel.lib is not None, _kernel.why_unavailable()
+    return ctypes.cast(getattr(_kernel.lib, name), ctypes.c_void_p).value
+
+
 def host_available() -> bool:
     """Whether greedy_walk can run here: the CPU's kernels as a CPython extension module
     (host_ops.c), which needs a C compiler and Python's headers to build. (Asked every step:
