@@ -67,7 +67,7 @@ MAX_MATCH = 64  # suffix decoding compares each occurrence of a context's last t
 # suffix decoding's "max_match" (the longest suffix looked up, prompt_lookup_min..MAX_MATCH),
 # "corpus_tokens" (finished outputs kept per tenant, int >= 0) and "shared_corpus" (bool:
 # every tenant drafts from every output); vLLM's "quantization" names the draft head's
-# weights ("auto" | "int8" | "none")
+# weights ("auto" | "gguf" | "int8" | "none")
 SPEC_KEY_METHODS = {"lookup_branch": ("eagle", "medusa"), "min_draft_prob": ("eagle",),
                     "medusa_tree": ("medusa",), "quantization": ("eagle", "medusa"),
                     "lookup": ("eagle", "medusa"), "max_match": ("suffix", "eagle", "medusa"),
@@ -143,8 +143,8 @@ class SpecConfig:
             p = self.extra.get(key, 0.0)
             if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p < 1:
                 raise ValueError(f"speculative_config.{key}: must be a number in [0, 1), got {p!r}")
-        if self.extra.get("quantization", "auto") not in ("auto", "int8", "none"):
-            raise ValueError("speculative_config.quantization: expected one of auto, int8, none, "
+        if self.extra.get("quantization", "auto") not in ("auto", "gguf", "int8", "none"):
+            raise ValueError("speculative_config.quantization: expected one of auto, gguf, int8, none, "
                              f"got {self.extra['quantization']!r}")
         if "medusa_tree" in self.extra:
             _check_medusa_tree(self.extra["medusa_tree"])

@@ -15,7 +15,7 @@ from specserve.spec_decode.medusa_heads import MedusaHeads
 from specserve.kernels.cpu import cpu_linear
 from specserve.model import quant
 from specserve.model.quant import Int8Linear, check_target_quantization, int8_rows, quantize_linears, quantize_rows
-from specserve.spec_decode.quant import INT8_ALWAYS, check_quantization, draft_linear
+from specserve.spec_decode.quant import A8, INT8_ALWAYS, check_quantization, draft_linear
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -169,13 +169,53 @@ def test_quantization_option_is_checked():
     cpu, gpu, shape = torch.device("cpu"), torch.device("cuda"), (64, 128, torch.float32)
     # auto: measured on a CPU against the products the head would otherwise run (whichever way
     # it goes here), never on a GPU
-    assert check_quantization(None, cpu, *shape) == check_quantization("auto", cpu, *shape) in (0, 4, *quant.INT8_ROWS)
+    assert check_quantization(None, cpu, *shape) == check_quantization("auto", cpu, *shape) in (
+        A8, 0, 4, *quant.INT8_ROWS)
     assert not check_quantization(None, gpu, *shape)
     assert check_quantization("int8", cpu, *shape) == INT8_ALWAYS and check_quantization("none", cpu, *shape) == 0
-    with pytest.raises(ValueError, match="expected one of auto, int8, none"):
+    with pytest.raises(ValueError, match="expected one of auto, gguf, int8, none"):
         SpecConfig(method="eagle", extra={"quantization": "fp8"})
     with pytest.raises(ValueError, match="CPU only"):
         check_quantization("int8", gpu, *shape)
+    with pytest.raises(ValueError, match="CPU only"):
+        check_quantization("gguf", gpu, *shape)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        check_quantization("gguf", cpu, 64, 100, torch.float32)
+    with pytest.raises(ValueError, match="float32"):
+        check_quantization("gguf", cpu, 64, 128, torch.bfloat16)
+
+
+@pytest.mark.skipif(not cpu_linear.a8_available(), reason="the int8-activation kernel cannot run here")
+def test_a_gguf_head_drafts_with_int8_activations_close_to_the_float_head():
+    """quantization "gguf": every product of an EAGLE pass (and its LM head) through pack_a8's
+    kernel, close to the float32 head's; an engine drafting so stays plain decoding's output."""
+    arch = ModelArch.from_dict({"hidden_size": 64, "intermediate_size": 128, "vocab_size": 96,
+                                "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2})
+    eagle = EagleHead(arch)
+    x = torch.randn(2, 64)
+    a8 = DraftPass(eagle, lambda w, b: draft_linear(w, b, A8, False))
+    assert isinstance(a8.qkv, cpu_linear.PackedA8) and isinstance(a8.fc, cpu_linear.PackedA8)
+    with torch.no_grad():
+        want = eagle(x[None], x[None], torch.arange(2))[0][0]
+    assert rel_err(a8(x, x, torch.arange(2), [Segment(HeadKV(), 0, 2, None)]), want) < 0.03
+    assert check_quantization("gguf", torch.device("cpu"), 64, 128, torch.float32) == A8
+
+
+def test_a_gguf_draft_head_keeps_eagle_lossless(llm, make_llm):
+    """The default model's EAGLE head with int8-activation products: greedy output equal to
+    plain decoding's, token for token."""
+    from specserve import SamplingParams
+
+    if not cpu_linear.a8_available():
+        pytest.skip("the int8-activation kernel cannot run here")
+    spec = make_llm(max_model_len=2048, speculative_config={"method": "eagle", "quantization": "gguf",
+                                                            "adaptive": False})
+    params = SamplingParams(temperature=0, max_tokens=48)
+    prompts = ["Write a short poem about the sea.", "def fibonacci(n):"]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    got = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert spec.engine.stats.spec_num_drafts > 0
 
 
 @needs_kernel

@@ -43,10 +43,11 @@ def sse_events(r: httpx.Response) -> list[str]:
 
 @pytest.fixture(scope="module")
 def small_kv():
-    """A 2,048-token context over a KV cache of 12 blocks (192 tokens), a 1 s grace period on
-    SIGTERM, 2 s for a request's head and 2 s for its body, 8 connections per client."""
+    """A 2,048-token context over a KV cache of 12 blocks (192 tokens), a 0.3 s grace period on
+    SIGTERM (well under the ~1 s a 120-token stream takes at ~130 tok/s: the stream must outlast
+    it), 2 s for a request's head and 2 s for its body, 8 connections per client."""
     proc = ServerProcess(["--max-model-len", "2048", "--num-blocks", "12", "--block-size", "16",
-                          "--shutdown-timeout", "1", "--timeout-request-head", "2",
+                          "--shutdown-timeout", "0.3", "--timeout-request-head", "2",
                           "--timeout-request-body", "2", "--max-connections-per-client", "8"])
     yield proc
     proc.stop()

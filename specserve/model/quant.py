@@ -97,6 +97,7 @@ def check_target_quantization(value: str, device: str, dtype: str = "auto") -> N
 
 _INT8_ROWS: dict[tuple, int] = {}
 _F32_PAYS: dict[tuple, bool] = {}
+_A8_PAYS: dict[tuple, bool] = {}
 _WIDE: list[bool] = []  # pick_wide_blocks' answer, once measured
 _VNNI: list[bool] = []  # pick_a8_vnni's
 
@@ -151,6 +152,23 @@ def f32_kernel_pays(hidden: int, intermediate: int) -> bool:
             _F32_PAYS[key] = _faster(_in_turn(packed), _in_turn([lambda x, w=w: x @ w for w in transposed]),
                                      hidden, torch.float32, (1, 8), rounds=5)
     return _F32_PAYS[key]
+
+
+def a8_pays(hidden: int, intermediate: int, current: Callable[[torch.Tensor], Callable]) -> bool:
+    """Whether a float32 draft head's products are faster with int8 activations against Q8_0
+    blocks (cpu_linear.pack_a8, as `--quantization gguf` multiplies) than as they would
+    otherwise run (current(weight) -> the product: int8 weights or our float32 kernel), by 10%
+    at 1, 4 and 16 rows (a pass of one request, a tree's frontier, several requests' nodes)
+    over streamed weights. Only drafts change: verification is the target's. Cached."""
+    key = (hidden, intermediate, torch.get_num_threads())
+    if key not in _A8_PAYS:
+        _A8_PAYS[key] = False
+        if cpu_linear.a8_available() and hidden % cpu_linear.QK == 0:
+            weights = _streamed(hidden, intermediate, torch.float32)
+            ours = _in_turn([cpu_linear.pack_a8(w, None) for w in weights])
+            _A8_PAYS[key] = _faster(ours, _in_turn([current(w) for w in weights]), hidden, torch.float32,
+                                    (1, 4, 16), rounds=5)
+    return _A8_PAYS[key]
 
 
 def pick_wide_blocks(layers: list) -> bool:
