@@ -199,6 +199,8 @@ def test_a_gguf_head_drafts_with_int8_activations_close_to_the_float_head():
         want = eagle(x[None], x[None], torch.arange(2))[0][0]
     assert rel_err(a8(x, x, torch.arange(2), [Segment(HeadKV(), 0, 2, None)]), want) < 0.03
     assert check_quantization("gguf", torch.device("cpu"), 64, 128, torch.float32) == A8
+    odd = torch.randn(8, 40)  # a reduction of 40: not whole blocks of 32, so the float product
+    assert torch.equal(draft_linear(odd, None, A8, False)(x[:, :40]), draft_linear(odd, None, 0, False)(x[:, :40]))
 
 
 def test_a_gguf_draft_head_keeps_eagle_lossless(llm, make_llm):

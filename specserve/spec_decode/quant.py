@@ -30,11 +30,12 @@ def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantize: int,
     """One product of a draft as drafting runs it, a callable [rows, K] -> [rows, N]: with int8
     activations against Q8_0 blocks (quantize A8), int8 weights for products of up to
     `quantize` rows (0: never; INT8_ALWAYS: always; see check_quantization), else our float32
-    kernel (f32_kernel: see `f32_kernel_for`) or PyTorch's."""
+    kernel (f32_kernel: see `f32_kernel_for`) or PyTorch's. (A8 with a reduction length that
+    is not whole blocks of 32, e.g. an o projection of heads x head_dim columns: the float path.)"""
     if quantize == A8:
-        from specserve.kernels.cpu.cpu_linear import pack_a8
+        from specserve.kernels.cpu.cpu_linear import QK, pack_a8
 
-        return pack_a8(weight, bias)
+        return pack_a8(weight, bias) if weight.shape[1] % QK == 0 else draft_linear(weight, bias, 0, f32_kernel)
     if quantize:
         int8 = Int8Linear(weight, bias)
         if quantize >= INT8_ALWAYS:
