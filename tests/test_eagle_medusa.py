@@ -299,7 +299,7 @@ def _count_head_passes(llm, window: int | None = None) -> list[list[int]]:
     if window is not None:
         spec.proposer.window = window
     prop, passes = spec.proposer, []
-    draft, step = prop.draft, llm.engine.step
+    draft, step = prop.draft.tokens, llm.engine.step
 
     def counted(*args):
         passes[-1].append(sum(s.rows for s in args[-1]))
@@ -309,7 +309,7 @@ def _count_head_passes(llm, window: int | None = None) -> list[list[int]]:
         passes.append([])
         return step()
 
-    prop.draft, llm.engine.step = counted, counted_step
+    prop.draft.tokens, llm.engine.step = counted, counted_step
     return passes
 
 
@@ -632,6 +632,87 @@ def test_draft_pass_over_head_kv_matches_the_head_over_the_whole_sequence(f32_ke
     torch.testing.assert_close(torch.cat(outs), whole, atol=1e-5, rtol=1e-5)
 
 
+def _tree_mask(past: int, entries: list[list[int]], width: int) -> torch.Tensor:
+    """A drafting pass's mask as eagle_next_pass makes it: each row sees the `past` committed
+    pairs, then the tree entries listed (its ancestors and itself)."""
+    mask = torch.zeros(len(entries), width, dtype=torch.bool)
+    mask[:, :past] = True
+    for row, seen in zip(mask, entries):
+        row[seen] = True
+    return mask
+
+
+@pytest.mark.parametrize("quantize", [0, "a8", "int8"])
+def test_head_pass_in_one_c_call_matches_the_python_pass(quantize):
+    """DraftPass.tokens over a HeadKVPool runs the whole pass as one C call (decoder.c:
+    head_pass; the products, norm, rotary and activation kernels of the Python path, the paged
+    attention kernel for SDPA): over two requests' causal catch-ups (one of 37 rows: runs of at
+    most 16), then tree rows that see committed pairs, ancestors and themselves (one row not
+    every committed pair), its outputs and the K/V it writes equal the Python pass's to float
+    rounding; an id or a position past its table is an error, not a read out of bounds."""
+    from specserve.kernels.cpu import decoder
+    from specserve.spec_decode.quant import A8, INT8_ALWAYS
+
+    if not (decoder.available() and cpu_linear.available()) or (quantize == "a8" and not cpu_linear.a8_available()):
+        pytest.skip("CPU kernels unavailable")
+    code = {0: 0, "a8": A8, "int8": INT8_ALWAYS}[quantize]
+    torch.manual_seed(0)
+    head = EagleHead(ModelArch.from_dict(HEAD))
+    with torch.no_grad():
+        head.layers[0].post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    embed = torch.randn(96, 64)
+    fast = DraftPass(head, lambda w, b: draft_linear(w, b, code, True), embed=embed)
+    slow = DraftPass(head, lambda w, b: draft_linear(w, b, code, True), embed=embed)
+    assert fast.c_pass is not None
+    slow.c_pass = None  # the same products, the pass in Python
+    arch = head.arch
+    pools = [HeadKVPool(arch.num_kv_heads, arch.head_dim, torch.float32, torch.device("cpu")) for _ in range(2)]
+    kvs = [[pool.new(), pool.new()] for pool in pools]
+    passes = [[(0, 37, None), (0, 5, None)],
+              [(37, 2, _tree_mask(37, [[37], [38]], 39)), (5, 3, _tree_mask(5, [[5], [6], [7]], 8))],
+              [(39, 2, _tree_mask(37, [[37, 39], [38, 40]], 41)), (8, 1, _tree_mask(3, [[6, 8]], 9))]]
+    for rows in passes:
+        n = sum(t for _, t, _ in rows)
+        feats, ids = torch.randn(n, 64), torch.randint(0, 96, (n,))
+        positions = torch.cat([torch.arange(past, past + t) for past, t, _ in rows])
+        outs = [draft.tokens(feats, ids, positions, [Segment(kv, past, t, mask)
+                                                     for kv, (past, t, mask) in zip(kv_pair, rows)])
+                for draft, kv_pair in zip((fast, slow), kvs)]
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+    for a, b in zip(kvs[0], kvs[1]):
+        end = 41 if len(a.blocks) > 1 else 9
+        got, want = a.slots(0, end), b.slots(0, end)
+        torch.testing.assert_close(pools[0].k[got], pools[1].k[want], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(pools[0].v[got], pools[1].v[want], atol=1e-5, rtol=1e-4)
+    for bad_ids, bad_pos in (([96], [3]), ([-1], [3]), ([4], [head.rotary.cos.shape[0]])):
+        with pytest.raises(ValueError, match="past its table"):
+            fast.tokens(torch.randn(1, 64), torch.tensor(bad_ids), torch.tensor(bad_pos),
+                        [Segment(kvs[0][0], 41, 1, None)])
+
+
+def test_the_head_pass_runs_in_c_on_a_cpu_unless_told_not_to(tmp_path, monkeypatch):
+    """On a CPU float32 model whose head products are our kernels the proposer keeps its head
+    K/V in a pool and runs each pass as one C call; SPECSERVE_DRAFT_KV=per_request keeps the
+    per-request K/V and the pass in Python. Greedy output is plain decoding's either way."""
+    from specserve.kernels.cpu import decoder
+
+    if not (decoder.available() and cpu_linear.available()):
+        pytest.skip("CPU kernels unavailable")
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 90 + 3 for j in range(5)]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = greedy_ids(tiny_llm(tmp_path), prompts, params)
+    config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "num_speculative_tokens": 6,
+              "adaptive": False, "depth": 3, "topk": 2, "quantization": "int8"}
+    for choice, in_c in (("auto", True), ("per_request", False)):
+        monkeypatch.setenv("SPECSERVE_DRAFT_KV", choice)
+        llm = tiny_llm(tmp_path, config)
+        prop = llm.engine.spec.proposer
+        assert (prop.pool is not None) == in_c == (prop.draft.c_pass is not None)
+        assert greedy_ids(llm, prompts, params) == ref and llm.engine.stats.spec_num_drafts >= 4
+        if in_c:
+            assert not prop.cache and len(prop.pool.free) == prop.pool.num_blocks
+
+
 @pytest.mark.parametrize("aux", [(), (0, 1)], ids=["eagle2", "eagle3"])
 def test_training_time_test_matches_the_proposers_deep_drafts(tmp_path, aux):
     """train.unrolled's step j is what a depth-j node computes at inference: a top-1 chain
@@ -772,8 +853,9 @@ def test_pooled_head_kv_keeps_greedy_and_gives_every_block_back(tmp_path, monkey
     ref = greedy_ids(tiny_llm(tmp_path), prompts, params)
     monkeypatch.setenv("SPECSERVE_DRAFT_KV", "pooled")
     calls = []
-    real = eagle_head._attend_pooled
-    monkeypatch.setattr(eagle_head, "_attend_pooled", lambda segs, *a: calls.append(len(segs)) or real(segs, *a))
+    for name in ("_attend_pooled", "_paged_meta"):  # (the pass in Python, or in C where it can be)
+        real = getattr(eagle_head, name)
+        monkeypatch.setattr(eagle_head, name, lambda segs, *a, real=real: calls.append(len(segs)) or real(segs, *a))
     config = {"method": "eagle", "model": str(write_eagle1(tmp_path / "head")), "num_speculative_tokens": 10,
               "adaptive": False, "depth": 4, "topk": 3}
     llm = tiny_llm(tmp_path, config)
@@ -832,6 +914,7 @@ def test_device_growth_builds_the_host_growths_trees(tmp_path, monkeypatch, pool
     monkeypatch.setenv("SPECSERVE_DRAFT_KV", "pooled" if pooled else "per_request")
     prop, reqs, kv = _proposer_with_requests(tmp_path, depth, topk)
     assert prop.growth is None  # the host's, on a CPU
+    prop.draft.c_pass = None  # (the host's passes in Python: the device growth's attention is SDPA's too)
     device = DeviceGrowth(prop.draft, prop._lm_head, prop.d2t, prop.embed, depth, topk)
     cut_some = 0
     for cut in (-math.inf, -3.0, -1.5, math.log(0.999)):

@@ -41,16 +41,18 @@ CATCH_UP_WINDOW = 32  # most pairs a catch-up runs after a gap: the head's cache
 PROMPT_WINDOW = 32  # most pairs of a request's first pass: the prompt's last ones (docs/eagle.md)
 
 
-def pooled_kv(device: torch.device) -> bool:
+def pooled_kv(device: torch.device, c_pass: bool = False) -> bool:
     """Whether the head's K/V live in one pool (HeadKVPool: a pass's attention one batched call)
-    rather than per request (HeadKV: each request's rows attending in place). On a CPU the
-    per-request form is faster (a pass's attention at 16 requests: 0.65-0.73 ms against
-    1.1-1.9 ms pooled, on an AMX Xeon); on a GPU, where each request's calls are launches, the
-    pool. SPECSERVE_DRAFT_KV=pooled|per_request chooses."""
+    rather than per request (HeadKV: each request's rows attending in place). Where the head's
+    pass is one C call (`c_pass`: DraftPass.c_pass, the pool its paged attention's cache), the
+    pool; else on a CPU the per-request form is faster (a pass's attention at 16 requests:
+    0.65-0.73 ms against 1.1-1.9 ms pooled through SDPA, on an AMX Xeon); on a GPU, where each
+    request's calls are launches, the pool. SPECSERVE_DRAFT_KV=pooled|per_request chooses (per
+    request: the pass in Python)."""
     choice = env_str("DRAFT_KV", "auto").strip().lower()
     if choice not in ("auto", "pooled", "per_request"):
         raise ValueError(f"SPECSERVE_DRAFT_KV: expected auto, pooled or per_request, got {choice!r}")
-    return choice == "pooled" or (choice == "auto" and device.type == "cuda")
+    return choice == "pooled" or (choice == "auto" and (device.type == "cuda" or c_pass))
 
 
 @dataclass
@@ -100,7 +102,7 @@ class EagleProposer:
         self.embed = (embed.to(self.device, self.dtype) if embed is not None
                       else target_model.embed_tokens.weight).detach()
         f32_kernel = f32_kernel_for(param, head.arch.hidden_size, head.arch.intermediate_size)
-        self.draft = DraftPass(self.head, lambda w, b: draft_linear(w, b, quantize, f32_kernel))
+        self.draft = DraftPass(self.head, lambda w, b: draft_linear(w, b, quantize, f32_kernel), embed=self.embed)
         # an EAGLE-3 head: target features are its fusion of the final hidden states and inner
         # layers' outputs (the decoder shows it those: StepLogits.features)
         self._fuse = (None if head.fuse is None
@@ -113,7 +115,9 @@ class EagleProposer:
         self.window, self.prompt_window = CATCH_UP_WINDOW, PROMPT_WINDOW
         arch = head.arch
         self.pool = (HeadKVPool(arch.num_kv_heads, arch.head_dim, self.dtype, self.device)
-                     if pooled_kv(self.device) else None)
+                     if pooled_kv(self.device, self.draft.c_pass is not None) else None)
+        if self.pool is None:  # (the C pass runs over a pool only)
+            self.draft.c_pass = None
         mode = growth_mode(self.device)  # the trees grown on the host, or on the device (eagle_grow)
         self.growth = (None if mode == "host" else
                        DeviceGrowth(self.draft, self._lm_head, self.d2t, self.embed, self.depth, self.topk,
@@ -177,7 +181,7 @@ class EagleProposer:
                 acc.extend(new)
         if todo:
             ids, positions = int_tensor([rows[1], rows[2]], self.device).unbind()  # one tensor call, not two
-            out = self.draft(torch.stack(rows[0]), self.embed.index_select(0, ids), positions, rows[3])
+            out = self.draft.tokens(torch.stack(rows[0]), ids, positions, rows[3])
             end = -1
             for (c, n), seg in zip(todo, rows[3]):
                 end += seg.rows
@@ -217,7 +221,7 @@ class EagleProposer:
                 return
             active, ids, positions, src, masks = step
             segments = [Segment(grow[b].cache.kv, past, f, mask) for b, (mask, past, f) in zip(active, masks)]
-            out = self.draft(out.index_select(0, src), self.embed.index_select(0, ids), positions, segments)
+            out = self.draft.tokens(out.index_select(0, src), ids, positions, segments)
             self._add_children([grow[b] for b in active], [grow[b].frontier for b in active], out, min_score)
 
     def _add_children(self, grow, parents: list[list[int]], outs: torch.Tensor, min_score: float) -> None:

@@ -105,6 +105,14 @@ class PooledKV:
         i = np.arange(start, end)
         return np.asarray(self.blocks, dtype=np.int64)[i // bs] * bs + i % bs
 
+    def slot_list(self, start: int, end: int) -> list[int]:
+        """`slots` as a list (blocks taken as needed)."""
+        bs = self.pool.BLOCK
+        while len(self.blocks) * bs < end:
+            self.blocks.append(self.pool.take())
+        blocks = self.blocks
+        return [blocks[i // bs] * bs + i % bs for i in range(start, end)]
+
     def __del__(self) -> None:
         self.pool.free.extend(reversed(self.blocks))
         self.blocks = []
@@ -197,10 +205,12 @@ class DraftPass:
     new K/V written to its HeadKV and its rows attending there in place (`Segment`). Built from
     the head's weights: q/k/v and gate/up fused into one product each, every product a
     `linear(weight, bias)` (spec_decode.quant), and on a CPU float32 head the rotary, the
-    residual add with its norm and the MLP activation one layer_ops call each (`fused`).
-    Training runs the same network (`run`) through EagleHead.forward."""
+    residual add with its norm and the MLP activation one layer_ops call each (`fused`); where
+    all of it is our kernels, given the token embeddings (`embed`), the whole pass one C call
+    over a HeadKVPool (`tokens`, `c_pass`). Training runs the same network (`run`) through
+    EagleHead.forward."""
 
-    def __init__(self, head: EagleHead, linear, fused: bool | None = None) -> None:
+    def __init__(self, head: EagleHead, linear, fused: bool | None = None, embed: torch.Tensor | None = None) -> None:
         layer, arch = head.layers[0], head.arch
         attn, mlp = layer.self_attn, layer.mlp
         self.heads, self.num_kv, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -218,6 +228,46 @@ class DraftPass:
         self.rotary = head.rotary
         self.fused = (w.device.type == "cpu" and w.dtype == torch.float32 and layer_ops.available()
                       if fused is None else fused)
+        self.embed = embed
+        self.c_pass = self._c_pass() if embed is not None and self.fused else None
+
+    def _c_pass(self):
+        """The pass as one C call (specserve.kernels.cpu.decoder.HeadPass), or None where a
+        part of it is not our kernels: a product that is not a cpu_linear kernel (PyTorch's
+        GEMM, int8 weights up to a row count), a norm of its own eps, attention our paged
+        kernel does not cover."""
+        from specserve.kernels.cpu import cpu_attention, decoder
+        from specserve.kernels.cpu.cpu_linear import _Packed
+        from specserve.model.quant import Int8Linear
+
+        def packed(f):
+            kernel = f.kernel if type(f) is Int8Linear else f
+            return kernel if isinstance(kernel, _Packed) else None
+
+        products = [packed(f) for f in (self.fc, self.qkv, self.o, self.gate_up, self.down)]
+        norms = [n for n in (self.input_norm, self.post_norm) if n is not None]
+        cos, sin = self.rotary.cos, self.rotary.sin
+        if (None in products or not decoder.available() or self.embed.dtype != torch.float32
+                or any(type(n) is not RMSNorm or n.eps != self.post_norm.eps for n in norms)
+                or cos.dtype != torch.float32
+                or not cpu_attention.supports(self.heads, self.num_kv, self.head_dim, torch.float32)):
+            return None
+        return decoder.HeadPass(products, None if self.input_norm is None else self.input_norm.weight.data,
+                                self.post_norm.weight.data, self.embed.contiguous(), cos.contiguous(),
+                                sin.contiguous(), self.heads, self.num_kv, self.head_dim, self.intermediate,
+                                self.post_norm.eps)
+
+    def tokens(self, features: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+               segments: list[Segment]) -> torch.Tensor:
+        """As a call with the rows' next tokens [N] int64 for their embeddings (the `embed` the
+        pass was built with): segments of a HeadKVPool run as one C call where the pass has one
+        (`c_pass`), the others as a call."""
+        if self.c_pass is not None and isinstance(segments[0].kv, PooledKV):
+            pool = segments[0].kv.pool
+            meta = _paged_meta(segments)  # (first: the pool may grow for the new entries)
+            shape = (pool.num_blocks, pool.BLOCK, *pool.k.shape[1:])
+            return self.c_pass(features, ids, positions, pool.k.view(shape), pool.v.view(shape), meta)
+        return self(features, self.embed.index_select(0, ids), positions, segments)
 
     @torch.inference_mode()
     def __call__(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
@@ -292,6 +342,43 @@ def _attend_pooled(segments: list[Segment], q: torch.Tensor, k: torch.Tensor, v:
     queries = torch.cat([q, q.new_zeros(1, heads, dim)])[q_rows].view(num, rows, heads, dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask_t[:, None], enable_gqa=True)
     return out.transpose(1, 2).reshape(num * rows, heads * dim)[out_rows]
+
+
+def _paged_meta(segments: list[Segment]) -> tuple:
+    """The paged attention kernel's metadata (specserve.kernels.cpu.cpu_attention) for segments
+    of a HeadKVPool: the new entries' slots (blocks taken as needed), each segment's rows in
+    runs of at most MAX_ROWS over its block table, and each row's visible entries as the
+    kernel counts them: a causal row those up to its own; a masked one the leading run of
+    entries its mask allows, then the others it allows (a tree node's ancestors and itself).
+    -> specserve.kernels.cpu.decoder.HeadPass's `meta`. In Python lists, one tensor made of
+    them: a drafting pass has a few rows, where numpy's calls per row cost more than the
+    pass's attention."""
+    from specserve.kernels.cpu.cpu_attention import MAX_ROWS
+
+    tables, starts, dense, ptr, extra, slots = [], [0], [], [0], [], []
+    for seg in segments:
+        t, past = seg.rows, seg.past
+        slots += seg.kv.slot_list(past, past + t)
+        if seg.mask is None:
+            dense += range(past + 1, past + t + 1)
+            ptr += [ptr[-1]] * t
+        else:
+            width = seg.mask.shape[1]
+            raw = seg.mask.numpy().tobytes()
+            for j in range(0, len(raw), width):
+                row = raw[j:j + width]
+                lead = row.find(0)
+                lead = width if lead < 0 else lead
+                extra += [lead + i for i, seen in enumerate(row[lead:]) if seen]
+                dense.append(lead)
+                ptr.append(len(extra))
+        for first in range(0, t, MAX_ROWS):
+            tables.append(seg.kv.blocks)
+            starts.append(starts[-1] + min(MAX_ROWS, t - first))
+    width = max(map(len, tables))
+    flat = torch.tensor(starts + dense + ptr + slots
+                        + [b for blocks in tables for b in blocks + [0] * (width - len(blocks))] + extra)
+    return flat, len(tables), width, max(d + ptr[i + 1] - ptr[i] for i, d in enumerate(dense))
 
 
 def _attend_in_place(segments: list[Segment], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

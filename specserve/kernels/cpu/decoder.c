@@ -135,3 +135,75 @@ int decoder_layers(const Model *m, const Layer *layers, int64_t num_layers, cons
     }
     return 0;
 }
+
+/* An EAGLE draft head's pass (specserve.spec_decode.eagle_head: DraftPass) over the rows of
+ * several requests, its K/V in a paged pool of the attention kernel's layout (HeadKVPool):
+ *
+ *     x = [embed(id), feature] W_fc + b_fc
+ *     qkv = (in_norm ? rms_norm(x) : x) W_qkv; rotary on q and k
+ *     a = attention(q, write k, v to the pool)
+ *     h, x = rms_norm(a W_o + x)
+ *     out = x + silu_mul(h W_gate_up) W_down
+ *
+ * the same kernels as the Python path, in its order (so the same bits but the attention's:
+ * SDPA there, the paged kernel here). Step's cos and sin are unused: the rows' come from the
+ * head's tables by position. Returns 0; -1 (no scratch memory) or -2 (a run of too many rows)
+ * as decoder_layers; -3 when a token id or a position is out of its table's range (nothing
+ * written). */
+typedef struct {
+    Proj fc, qkv, o, gate_up, down;
+    const float *in_norm, *post_norm; /* in_norm NULL: none */
+    const float *embed;               /* [vocab, hidden] */
+    int64_t vocab;
+    const float *cos, *sin;           /* [max_positions, head_dim / 2] */
+    int64_t max_positions;
+} Head;
+
+/* The floats of `work` a head pass of `rows` rows needs. */
+int64_t head_work(const Model *m, int64_t rows) {
+    const int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    return rows * (5 * m->hidden + qkv + m->heads * m->head_dim + 3 * m->inter + m->head_dim);
+}
+
+/* feats: [rows] feature rows at feats + t * feat_stride; ids, positions: [rows]; k_cache,
+ * v_cache: the pool's [blocks, block_size, Hkv, D]; work: head_work(m, rows) floats; out:
+ * [rows, hidden]. */
+int head_pass(const Model *m, const Head *hd, const Step *s, float *k_cache, float *v_cache, const float *feats,
+              int64_t feat_stride, const int64_t *ids, const int64_t *positions, float *work, float *out,
+              int threads) {
+    const int64_t T = s->rows, H = m->hidden, Hq = m->heads, Hkv = m->kv_heads, D = m->head_dim, I = m->inter;
+    const int64_t nq = Hq * D, nqkv = (Hq + 2 * Hkv) * D, half = D / 2;
+    float *xin = work, *x = xin + T * 2 * H, *h = x + T * H, *qkv = h + T * H, *attn = qkv + T * nqkv,
+          *a = attn + T * nq, *gu = a + T * H, *act = gu + T * 2 * I, *cos = act + T * I, *sin = cos + T * half;
+    const rms_norm_fn norm = (rms_norm_fn)m->rms_norm;
+    int rc;
+    if (!T) return 0;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= hd->vocab || positions[t] < 0 || positions[t] >= hd->max_positions) return -3;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(xin + t * 2 * H, hd->embed + ids[t] * H, sizeof(float) * (size_t)H);
+        memcpy(xin + t * 2 * H + H, feats + t * feat_stride, sizeof(float) * (size_t)H);
+        memcpy(cos + t * half, hd->cos + positions[t] * half, sizeof(float) * (size_t)half);
+        memcpy(sin + t * half, hd->sin + positions[t] * half, sizeof(float) * (size_t)half);
+    }
+    if ((rc = project(&hd->fc, xin, T, 2 * H, x, threads))) return rc;
+    const float *q_in = x;
+    if (hd->in_norm) {
+        norm(x, NULL, hd->in_norm, T, H, m->eps, NULL, h, threads);
+        q_in = h;
+    }
+    if ((rc = project(&hd->qkv, q_in, T, H, qkv, threads))) return rc;
+    ((rotary_fn)m->rotary)(qkv, T, nqkv, Hq + Hkv, D, cos, sin, threads);
+    rc = ((attention_fn)m->attention)(qkv, nqkv, s->runs, Hq, Hkv, D, k_cache, v_cache, s->block_size,
+                                      s->block_tables, s->max_blocks, s->query_start, s->dense, s->extra_ptr,
+                                      s->extra_pos, s->max_keys, m->scale, qkv + nq, qkv + nq + Hkv * D, nqkv,
+                                      s->slot_mapping, attn, threads);
+    if (rc) return rc;
+    if ((rc = project(&hd->o, attn, T, nq, a, threads))) return rc;
+    norm(a, x, hd->post_norm, T, H, m->eps, x, h, threads);
+    if ((rc = project(&hd->gate_up, h, T, H, gu, threads))) return rc;
+    ((silu_mul_fn)m->silu_mul)(gu, T, I, act, threads);
+    if ((rc = project(&hd->down, act, T, I, a, threads))) return rc;
+    for (int64_t i = 0; i < T * H; i++) out[i] = x[i] + a[i];
+    return 0;
+}

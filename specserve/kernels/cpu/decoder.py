@@ -7,7 +7,8 @@ runs the layers' loop in C, calling the same kernels (cpu_linear.c or a8_linear.
 layer_ops.c's norms, rotary and activation, paged_attention.c) in the same order: a row gets
 the bits the layer-by-layer path gives it, whatever the batch. LlamaForCausalLM builds one
 where every layer's parts are these kernels (`LlamaForCausalLM.use_layer_ops`), and runs it for
-steps whose attention metadata is the CPU paged kernel's.
+steps whose attention metadata is the CPU paged kernel's. `HeadPass` does the same for an
+EAGLE draft head's one layer (specserve.spec_decode.eagle_head), its K/V in a paged pool.
 """
 
 from __future__ import annotations
@@ -45,7 +46,18 @@ class _Step(ctypes.Structure):
                 ("extra_pos", _ptr), ("slot_mapping", _ptr), ("cos", _ptr), ("sin", _ptr)]
 
 
+class _Head(ctypes.Structure):
+    _fields_ = [("fc", _Proj), ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+                ("in_norm", _ptr), ("post_norm", _ptr), ("embed", _ptr), ("vocab", _i64),
+                ("cos", _ptr), ("sin", _ptr), ("max_positions", _i64)]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
+    lib.head_work.argtypes = [ctypes.POINTER(_Model), _i64]
+    lib.head_work.restype = _i64
+    lib.head_pass.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Head), ctypes.POINTER(_Step), _ptr, _ptr,
+                              _ptr, _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
+    lib.head_pass.restype = ctypes.c_int
     lib.decoder_work.argtypes = [ctypes.POINTER(_Model), _i64]
     lib.decoder_work.restype = _i64
     lib.decoder_layers.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _i64, ctypes.POINTER(_Step),
@@ -75,6 +87,21 @@ def _weight(t: torch.Tensor, size: int) -> int:
     return t.data_ptr()
 
 
+def _kernels(heads: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """The addresses of the norm, rotary, activation and attention kernels decoder.c calls."""
+    return (*(layer_ops.kernel_address(f) for f in ("rms_norm", "rotary", "silu_mul")),
+            cpu_attention.kernel_address(heads, kv_heads, head_dim))
+
+
+def _check(rc: int, rows: int, what: str) -> None:
+    if rc == -2:
+        raise ValueError(f"paged_attention: at most {cpu_attention.MAX_ROWS} query tokens per request")
+    if rc == -3:
+        raise ValueError(f"{what}: a token id or a position past its table")
+    if rc:
+        raise MemoryError(f"{what}: no memory for a step of {rows} rows")
+
+
 class Decoder:
     """Every decoder layer of one model; `layers`: per layer (qkv, o, gate_up, down: cpu_linear
     products; input and post-attention norm weights). The weights are read through pointers
@@ -93,9 +120,8 @@ class Decoder:
             slot.qkv, slot.o = _proj(qkv, hidden, nq + 2 * nkv), _proj(o, nq, hidden)
             slot.gate_up, slot.down = _proj(gate_up, hidden, 2 * inter), _proj(down, inter, hidden)
             slot.in_norm, slot.post_norm = _weight(in_norm, hidden), _weight(post_norm, hidden)
-        self._model = _Model(*(layer_ops.kernel_address(f) for f in ("rms_norm", "rotary", "silu_mul")),
-                             cpu_attention.kernel_address(heads, kv_heads, head_dim),
-                             hidden, heads, kv_heads, head_dim, inter, eps, scale, _weight(final_norm, hidden))
+        self._model = _Model(*_kernels(heads, kv_heads, head_dim), hidden, heads, kv_heads, head_dim, inter, eps,
+                             scale, _weight(final_norm, hidden))
         self._work_per_row = lib.decoder_work(ctypes.byref(self._model), 1)
         self._kv: list | None = None  # the KV caches the layers' pointers were taken from
         self._aux: tuple[tuple[int, ...], ctypes.Array] | None = None
@@ -131,8 +157,68 @@ class Decoder:
         rc = _kernel.lib.decoder_layers(ctypes.byref(self._model), self._layers, len(self._layers),
                                         ctypes.byref(step), x.data_ptr(), work.data_ptr(), self._aux[1],
                                         len(aux_layers), out.data_ptr(), width, torch.get_num_threads())
-        if rc == -2:
-            raise ValueError(f"paged_attention: at most {cpu_attention.MAX_ROWS} query tokens per request")
-        if rc:
-            raise MemoryError(f"decoder: no memory for a step of {rows} rows")
+        _check(rc, rows, "decoder")
+        return out
+
+
+class HeadPass:
+    """An EAGLE draft head's pass in one C call (decoder.c: head_pass): its products (fc, q/k/v
+    fused, o, gate/up fused, down: cpu_linear products), norm weights (in_norm: None where the
+    head has none), the token embeddings [vocab, hidden] and its rotary tables [positions,
+    head_dim / 2], all read through pointers taken here (kept alive here, never to move)."""
+
+    def __init__(self, products: Sequence, in_norm: torch.Tensor | None, post_norm: torch.Tensor,
+                 embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                 head_dim: int, inter: int, eps: float) -> None:
+        lib = _kernel.lib
+        assert lib is not None and available(), _kernel.why_unavailable()
+        vocab, hidden = embed.shape
+        nq, nkv = heads * head_dim, kv_heads * head_dim
+        fc, qkv, o, gate_up, down = products
+        tables = (embed, cos, sin)
+        if not all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in tables):
+            raise ValueError("head pass: contiguous float32 CPU embeddings and rotary tables expected")
+        if cos.shape != sin.shape or cos.shape[-1] * 2 != head_dim:
+            raise ValueError("head pass: rotary tables of [positions, head_dim / 2] expected")
+        self.hidden, self.kv_shape = hidden, (kv_heads, head_dim)
+        self._keep = (products, in_norm, post_norm, tables)
+        self._head = _Head(_proj(fc, 2 * hidden, hidden), _proj(qkv, hidden, nq + 2 * nkv), _proj(o, nq, hidden),
+                           _proj(gate_up, hidden, 2 * inter), _proj(down, inter, hidden),
+                           0 if in_norm is None else _weight(in_norm, hidden), _weight(post_norm, hidden),
+                           embed.data_ptr(), vocab, cos.data_ptr(), sin.data_ptr(), cos.shape[0])
+        self._model = _Model(*_kernels(heads, kv_heads, head_dim), hidden, heads, kv_heads, head_dim, inter, eps,
+                             head_dim ** -0.5, 0)
+        self._work_per_row = lib.head_work(ctypes.byref(self._model), 1)
+
+    def __call__(self, feats: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta) -> torch.Tensor:
+        """feats: [T, hidden] float32 (unit stride along a row); ids, positions: [T] int64
+        contiguous; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim] float32
+        contiguous; meta: the attention's metadata as paged_attention takes it, (flat, runs,
+        max_blocks, max_keys) with flat one int64 tensor of query_start [runs + 1], dense [T],
+        extra_ptr [T + 1], slot_mapping [T], block_tables [runs, max_blocks], extra_pos ->
+        [T, hidden], the head's outputs."""
+        rows = feats.shape[0]
+        if feats.stride(1) != 1 or feats.dtype != torch.float32 or feats.shape[1] != self.hidden:
+            feats = feats.float().contiguous()
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+                and k_cache.dtype == torch.float32 and tuple(k_cache.shape[2:]) == self.kv_shape):
+            raise ValueError("head pass: contiguous float32 K/V [blocks, block_size, kv_heads, head_dim] expected")
+        flat, runs, max_blocks, max_keys = meta
+        if not (len(ids) == len(positions) == rows and flat.dtype == torch.int64 and flat.is_contiguous()
+                and len(flat) >= 2 + 3 * rows + runs * (1 + max_blocks)):
+            raise ValueError("head pass: a token id, a position, and the attention's metadata for each row expected")
+        at = flat.data_ptr()
+        query_start, dense, extra_ptr = at, at + 8 * (runs + 1), at + 8 * (runs + 1 + rows)
+        slots = extra_ptr + 8 * (rows + 1)
+        table = slots + 8 * rows
+        out = torch.empty(rows, self.hidden)
+        work = torch.empty(rows * self._work_per_row)
+        step = _Step(rows, runs, k_cache.shape[1], max_blocks, max_keys, table, query_start, dense, extra_ptr,
+                     table + 8 * runs * max_blocks, slots, 0, 0)
+        rc = _kernel.lib.head_pass(ctypes.byref(self._model), ctypes.byref(self._head), ctypes.byref(step),
+                                   k_cache.data_ptr(), v_cache.data_ptr(), feats.data_ptr(), feats.stride(0),
+                                   ids.data_ptr(), positions.data_ptr(), work.data_ptr(), out.data_ptr(),
+                                   torch.get_num_threads())
+        _check(rc, rows, "head pass")
         return out

@@ -1,0 +1,58 @@
+"""bench load's loop with the EAGLE head's pass run both ways side by side: in Python over
+per-request K/V (SDPA attention, SPECSERVE_DRAFT_KV=per_request) and as one C call over a paged
+pool (specserve/kernels/cpu/decoder.c: head_pass, the default on a CPU float32 model), beside
+plain decoding; every engine's steps interleaved, held-out prompts, prefix caching off. Each
+engine measures its own costs at start; every output is checked against plain decoding's.
+
+    python benchmarks/experiments/head_pass_ab.py [--levels 1:24 4:24 16:32] [--max-tokens 128]
+        [--quantization none|int8|gguf] [--dtype auto|float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--levels", nargs="+", default=["1:24", "4:24", "16:32"], help="CONCURRENCY:REQUESTS")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"])
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args()
+    from specserve import LLM, SamplingParams
+    from specserve.bench.load import ClosedLoop, encode, interleaved, load_prompts, request_list, warm_up
+
+    levels = [tuple(map(int, level.split(":"))) for level in args.levels]
+    common = dict(max_num_seqs=max(c for c, _ in levels), max_model_len=2048, enable_prefix_caching=False,
+                  quantization=args.quantization, dtype=args.dtype)
+    engines = {"plain": LLM(None, **common)}
+    for name, kv in (("eagle-python", "per_request"), ("eagle-c", "auto")):
+        os.environ["SPECSERVE_DRAFT_KV"] = kv  # read as the proposer is built
+        try:
+            engines[name] = LLM(None, speculative_config={"method": "eagle"}, **common)
+        finally:
+            del os.environ["SPECSERVE_DRAFT_KV"]
+        c_pass = engines[name].engine.spec.proposer.pool is not None
+        print(f"{name}: head pass in C: {c_pass}", flush=True)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    ids = encode(engines["plain"], load_prompts("heldout"), args.max_tokens, 2048)
+    warm_up(engines, max(c for c, _ in levels), params)
+    for c, n in levels:
+        names = list(engines)
+        runs = dict(zip(names, interleaved([ClosedLoop(engines[m].engine, request_list(ids, c, n), c, params,
+                                                       f"{m}-c{c}") for m in names])))
+        base, ref = runs["plain"].tokens_per_s, runs["plain"].outputs
+        print(f"c={c}: " + "  ".join(f"{m} {r.tokens_per_s:.1f} tok/s ({r.tokens_per_s / base:.3f})"
+                                    for m, r in runs.items()))
+        print("   mismatches against plain:", {m: sum(a != b for a, b in zip(r.outputs, ref)) for m, r in runs.items()},
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
