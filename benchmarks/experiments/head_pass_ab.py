@@ -31,7 +31,7 @@ def main() -> None:
     levels = [tuple(map(int, level.split(":"))) for level in args.levels]
     common = dict(max_num_seqs=max(c for c, _ in levels), max_model_len=2048, enable_prefix_caching=False,
                   quantization=args.quantization, dtype=args.dtype)
-    engines = {"plain": LLM(None, **common)}
+    engines = {"plain": LLM(None, speculative_config=None, **common)}
     for name, kv in (("eagle-python", "per_request"), ("eagle-c", "auto")):
         os.environ["SPECSERVE_DRAFT_KV"] = kv  # read as the proposer is built
         try:
