@@ -21,6 +21,19 @@ from specserve.model.attention import AttentionMetadata
 from specserve.model.attention.cpu_paged import CPUPagedMetadata
 
 
+def packed_product(f):
+    """The cpu_linear kernel (`_Packed`, any format) a product runs, for a caller in C
+    (kernels/cpu/decoder.c) to call: a `_Packed` itself, a model Linear's or an Int8Linear's;
+    None for anything else (PyTorch's GEMM, a tensor-parallel shard, a product switching
+    kernels by row count)."""
+    from specserve.kernels.cpu.cpu_linear import _Packed
+    from specserve.model.quant import Int8Linear
+
+    kernel = (getattr(f, "packed", None) if type(f) is Linear
+              else getattr(f, "kernel", None) if type(f) is Int8Linear else f)
+    return kernel if isinstance(kernel, _Packed) else None
+
+
 class Linear(nn.Linear):
     """nn.Linear that can route its products through our CPU kernel, or one-row inputs
     through the many-row GEMM.
@@ -422,13 +435,8 @@ class LlamaForCausalLM(nn.Module):
         The forward then runs it for steps of the CPU paged attention kernel (CPUPagedMetadata),
         with the same bits as the layer-by-layer path."""
         from specserve.kernels.cpu import decoder
-        from specserve.kernels.cpu.cpu_linear import _Packed
-        from specserve.model.quant import Int8Linear
 
-        def packed(m):
-            kernel = m.packed if type(m) is Linear else getattr(m, "kernel", None) if type(m) is Int8Linear else None
-            return kernel if isinstance(kernel, _Packed) else None
-
+        packed = packed_product
         if type(self.embed_tokens) is not nn.Embedding or not decoder.available():
             return None
         eps, layers = self.norm.eps, []

@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specserve.kernels.cpu import layer_ops
 from specserve.model.arch import ModelArch
-from specserve.model.llama import RMSNorm, RotaryEmbedding
+from specserve.model.llama import RMSNorm, RotaryEmbedding, packed_product
 
 
 # SDPA backends for drafting on CUDA: every drafting call has a new key length (the past grows,
@@ -237,14 +237,8 @@ class DraftPass:
         GEMM, int8 weights up to a row count), a norm of its own eps, attention our paged
         kernel does not cover."""
         from specserve.kernels.cpu import cpu_attention, decoder
-        from specserve.kernels.cpu.cpu_linear import _Packed
-        from specserve.model.quant import Int8Linear
 
-        def packed(f):
-            kernel = f.kernel if type(f) is Int8Linear else f
-            return kernel if isinstance(kernel, _Packed) else None
-
-        products = [packed(f) for f in (self.fc, self.qkv, self.o, self.gate_up, self.down)]
+        products = [packed_product(f) for f in (self.fc, self.qkv, self.o, self.gate_up, self.down)]
         norms = [n for n in (self.input_norm, self.post_norm) if n is not None]
         cos, sin = self.rotary.cos, self.rotary.sin
         if (None in products or not decoder.available() or self.embed.dtype != torch.float32
