@@ -708,9 +708,13 @@ def test_the_head_pass_runs_in_c_on_a_cpu_unless_told_not_to(tmp_path, monkeypat
         llm = tiny_llm(tmp_path, config)
         prop = llm.engine.spec.proposer
         assert (prop.pool is not None) == in_c == (prop.draft.c_pass is not None)
+        calls = []
+        if in_c:  # every pass of the run goes through the C call
+            c_pass = prop.draft.c_pass
+            prop.draft.c_pass = lambda *a: calls.append(len(a[0])) or c_pass(*a)
         assert greedy_ids(llm, prompts, params) == ref and llm.engine.stats.spec_num_drafts >= 4
         if in_c:
-            assert not prop.cache and len(prop.pool.free) == prop.pool.num_blocks
+            assert len(calls) >= 4 and not prop.cache and len(prop.pool.free) == prop.pool.num_blocks
 
 
 @pytest.mark.parametrize("aux", [(), (0, 1)], ids=["eagle2", "eagle3"])
