@@ -25,12 +25,13 @@ def main() -> None:
     p.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"])
     p.add_argument("--methods", nargs="+", default=["plain", "eagle"], choices=["plain", "eagle"])
     args = p.parse_args()
+    from benchmarks._runner import ab_level, levels
     from specserve import LLM, SamplingParams
-    from specserve.bench.load import ClosedLoop, encode, interleaved, load_prompts, request_list, warm_up
+    from specserve.bench.load import encode, load_prompts, warm_up
     from specserve.model.llama import LlamaForCausalLM
 
-    levels = [tuple(map(int, level.split(":"))) for level in args.levels]
-    common = dict(max_num_seqs=max(c for c, _ in levels), max_model_len=2048, enable_prefix_caching=False,
+    pairs = levels(args.levels)
+    common = dict(max_num_seqs=max(c for c, _ in pairs), max_model_len=2048, enable_prefix_caching=False,
                   quantization=args.quantization)
     configs = {"plain": None, "eagle": {"method": "eagle"}}
     build = LlamaForCausalLM._c_decoder
@@ -47,19 +48,13 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     first = next(iter(engines))
     ids = encode(engines[first], load_prompts("heldout"), args.max_tokens, 2048)
-    warm_up(engines, max(c for c, _ in levels), params)
-    for c, n in levels:
-        names = list(engines)
-        runs = dict(zip(names, interleaved([ClosedLoop(engines[m].engine, request_list(ids, c, n), c, params,
-                                                       f"{m}-c{c}") for m in names])))
-        base, ref = runs[first].tokens_per_s, runs[first].outputs
-        print(f"c={c}: " + "  ".join(f"{m} {r.tokens_per_s:.1f} tok/s ({r.tokens_per_s / base:.3f})"
-                                    for m, r in runs.items()))
+    warm_up(engines, max(c for c, _ in pairs), params)
+    for c, n in pairs:
+        runs = ab_level(engines, ids, c, n, params, first)
         if "eagle-c" in runs and "plain-c" in runs:
+            base = runs[first].tokens_per_s
             print(f"   eagle over plain: layers {runs['eagle-layers'].tokens_per_s / base:.3f}, "
-                  f"C decoder {runs['eagle-c'].tokens_per_s / runs['plain-c'].tokens_per_s:.3f}")
-        print(f"   mismatches against {first}:",
-              {m: sum(a != b for a, b in zip(r.outputs, ref)) for m, r in runs.items()}, flush=True)
+                  f"C decoder {runs['eagle-c'].tokens_per_s / runs['plain-c'].tokens_per_s:.3f}", flush=True)
 
 
 if __name__ == "__main__":

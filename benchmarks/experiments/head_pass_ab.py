@@ -25,11 +25,12 @@ def main() -> None:
     p.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"])
     p.add_argument("--dtype", default="auto")
     args = p.parse_args()
+    from benchmarks._runner import ab_level, levels
     from specserve import LLM, SamplingParams
-    from specserve.bench.load import ClosedLoop, encode, interleaved, load_prompts, request_list, warm_up
+    from specserve.bench.load import encode, load_prompts, warm_up
 
-    levels = [tuple(map(int, level.split(":"))) for level in args.levels]
-    common = dict(max_num_seqs=max(c for c, _ in levels), max_model_len=2048, enable_prefix_caching=False,
+    pairs = levels(args.levels)
+    common = dict(max_num_seqs=max(c for c, _ in pairs), max_model_len=2048, enable_prefix_caching=False,
                   quantization=args.quantization, dtype=args.dtype)
     engines = {"plain": LLM(None, speculative_config=None, **common)}
     for name, kv in (("eagle-python", "per_request"), ("eagle-c", "auto")):
@@ -42,16 +43,9 @@ def main() -> None:
         print(f"{name}: head pass in C: {c_pass}", flush=True)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     ids = encode(engines["plain"], load_prompts("heldout"), args.max_tokens, 2048)
-    warm_up(engines, max(c for c, _ in levels), params)
-    for c, n in levels:
-        names = list(engines)
-        runs = dict(zip(names, interleaved([ClosedLoop(engines[m].engine, request_list(ids, c, n), c, params,
-                                                       f"{m}-c{c}") for m in names])))
-        base, ref = runs["plain"].tokens_per_s, runs["plain"].outputs
-        print(f"c={c}: " + "  ".join(f"{m} {r.tokens_per_s:.1f} tok/s ({r.tokens_per_s / base:.3f})"
-                                    for m, r in runs.items()))
-        print("   mismatches against plain:", {m: sum(a != b for a, b in zip(r.outputs, ref)) for m, r in runs.items()},
-              flush=True)
+    warm_up(engines, max(c for c, _ in pairs), params)
+    for c, n in pairs:
+        ab_level(engines, ids, c, n, params, "plain")
 
 
 if __name__ == "__main__":
