@@ -28,6 +28,11 @@ PROMPTS = ["Write a short poem about rivers.", "Explain what a CPU cache is.",
 MAX_TOKENS = 48
 ROUNDS = 3  # normal streams: ROUNDS x len(PROMPTS)
 SPREAD_S = 5.0  # every request of a round starts within this many seconds
+# a crowd that starts at once at the beginning of each round: streams that never stop early
+# and together need several times the pool, so running requests are preempted (and must still
+# come out as they do alone) whatever this machine's speed
+CROWD = PROMPTS[:4] * 2
+CROWD_TOKENS = 96
 
 
 def hostile_bodies() -> list[tuple[str, dict]]:
@@ -55,11 +60,13 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def normal_stream(client, prompt: str) -> tuple[str, float]:
-    """(text, the longest gap between two chunks after the first) of a greedy stream."""
+async def normal_stream(client, prompt: str, crowd: bool = False) -> tuple[str, float]:
+    """(text, the longest gap between two chunks after the first) of a greedy stream; a crowd
+    stream runs to CROWD_TOKENS whatever it generates."""
     stream = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS,
-        temperature=0, stream=True)
+        model=MODEL, messages=[{"role": "user", "content": prompt}],
+        max_tokens=CROWD_TOKENS if crowd else MAX_TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True} if crowd else None)
     text, gap, last = [], 0.0, None
     async for chunk in stream:
         now = time.monotonic()
@@ -115,6 +122,8 @@ async def soak(server) -> dict:
         alone = {}
         for prompt in PROMPTS:  # references, one at a time
             alone[prompt], _ = await normal_stream(client, prompt)
+        for prompt in set(CROWD):
+            alone["crowd", prompt], _ = await normal_stream(client, prompt, crowd=True)
         first = await soak_round(client, http, alone, random.Random(0))
         rss_warm = rss_mb(server.proc.pid)
         second = await soak_round(client, http, alone, random.Random(1))
@@ -150,18 +159,20 @@ async def soak_round(client, http: httpx.AsyncClient, alone: dict[str, str], rng
 
     kinds = ["prefill", "decode"] * 8
     normals = [later(normal_stream(client, p), rng.uniform(0, SPREAD_S)) for p in PROMPTS * ROUNDS]
+    crowd = [normal_stream(client, p, crowd=True) for p in CROWD]
     hostile = [later(send_hostile(p, b), rng.uniform(0, SPREAD_S)) for p, b in hostile_bodies()]
     disconnects = [later(disconnect(http, kind, PROMPTS[i % len(PROMPTS)]), rng.uniform(0, SPREAD_S))
                    for i, kind in enumerate(kinds)]
     watcher = asyncio.create_task(watch_health())
     start = time.monotonic()
-    results = await asyncio.gather(*normals, *hostile, *disconnects)
+    results = await asyncio.gather(*crowd, *normals, *hostile, *disconnects)
     elapsed = time.monotonic() - start
     done.set()
     await watcher
 
-    outs = results[:len(normals)]
-    mismatches = sum(text != alone[p] for (text, _), p in zip(outs, PROMPTS * ROUNDS))
+    outs = results[:len(crowd) + len(normals)]
+    keys = [("crowd", p) for p in CROWD] + PROMPTS * ROUNDS
+    mismatches = sum(text != alone[key] for (text, _), key in zip(outs, keys))
     for _ in range(300):  # idle: every block back
         kv = (await http.get("/debug/kv")).json()
         if kv["num_running"] == 0 and kv["num_waiting"] == 0:
@@ -169,7 +180,7 @@ async def soak_round(client, http: httpx.AsyncClient, alone: dict[str, str], rng
         await asyncio.sleep(0.1)
     return {
         "seconds": round(elapsed, 1),
-        "normal_streams": len(normals), "normal_mismatches": mismatches,
+        "normal_streams": len(outs), "normal_mismatches": mismatches,
         "max_stall_s": round(max(gap for _, gap in outs), 2),
         "hostile_requests": len(statuses), "hostile_statuses": sorted(set(statuses)),
         "hostile_5xx": sum(s >= 500 for s in statuses),
