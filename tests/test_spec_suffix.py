@@ -103,10 +103,45 @@ def test_the_corpus_keeps_at_most_its_bound():
     for _ in range(50):
         corpus.add([rng.randrange(20) for _ in range(30)])
     assert corpus.num_tokens <= 100 and len(corpus.docs) == 3
-    live = {(d, p) for d, toks in corpus.docs.items() for p in range(len(toks))}
-    assert all(entry in live for occ in corpus.after.values() for entry in occ)
+    held = [t for doc in corpus.docs for t in doc + [-1]]  # the array holds the kept docs only
+    assert corpus.buf[corpus.max_n:corpus.max_n + corpus.size].tolist() == held
     corpus.add(list(range(500)))  # longer than the whole corpus: not kept
     assert corpus.num_tokens <= 100
+
+
+def test_the_corpus_finds_what_a_search_of_its_outputs_finds():
+    """SuffixCorpus.matches against a search of every kept output: the longest suffix that
+    occurs with a token after it, and its most recent MAX_OCCURRENCES occurrences (later
+    outputs first), across adds and evictions; a match never spans two outputs."""
+    from specserve.spec_decode.suffix import MAX_OCCURRENCES
+
+    rng = random.Random(3)
+    for max_n in (1, 3, 12):
+        corpus = SuffixCorpus(1, max_n, max_tokens=400)
+        for _ in range(40):
+            corpus.add([rng.randrange(4) for _ in range(rng.randrange(2, 90))])
+            assert corpus.num_tokens <= 400
+            for _ in range(10):
+                tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 20))]
+                cap = min(max_n, len(tokens) - 1)
+                expect = (0, [])
+                for n in range(cap, 0, -1):
+                    found = [(doc, p) for doc in reversed(corpus.docs)
+                             for p in range(len(doc) - 1, n - 1, -1) if doc[p - n:p] == tokens[-n:]]
+                    if found:
+                        expect = (n, found[:MAX_OCCURRENCES])
+                        break
+                m, found = corpus.matches(tokens, cap)
+                assert m == expect[0] and [(id(d), p) for d, p in found] == [(id(d), p) for d, p in expect[1]]
+
+
+def test_an_output_drafts_for_the_next_request_at_once_whatever_its_length():
+    proposer = SuffixProposer(8, 1, 6)
+    long_output = random.Random(4).sample(range(10**6), 6000)  # every token once
+    proposer.remember("r", long_output, None)
+    context = [-5] + long_output[5000:5006]
+    batch = ProposeBatch(["q"], [context], [4], -math.inf, [GREEDY], [0], [[]], [0], [None])
+    assert proposer.propose(batch)[0].tokens == long_output[5006:5010]
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,11 @@
 and in earlier requests of the same tenant, scored by how often each continuation followed
 (method "suffix"; docs/speculation.md).
 
-No model runs: a draft costs a few vector passes and dictionary reads. For each request the
-longest suffix of its committed tokens (max_match down to min_match tokens) is searched for in
-its own prompt and output (`SuffixIndex`: an array, compared in a few vector passes) and
-looked up among the n-grams of the outputs of recent finished requests of the same tenant
-(`SuffixCorpus`, bounded, oldest out). The continuations of the most recent occurrences of the
+No model runs: a draft costs a few vector passes. For each request the longest suffix of its
+committed tokens (max_match down to min_match tokens) is searched for in its own prompt and
+output (`SuffixIndex`) and in the outputs of recent finished requests of the same tenant
+(`SuffixCorpus`, bounded, oldest out): both are arrays of tokens, searched the same way
+(`_longest_suffix`), with nothing built per token. The continuations of the most recent occurrences of the
 longest suffix found are merged into a trie; a node's count is how many occurrences continue
 through it, its score the log of the share of occurrences that do (its path's frequency). The
 best-scored nodes form the tree, at most max_drafts and SPEC_PER_MATCHED per matched token (a
@@ -23,9 +23,10 @@ be probed through acceptance timing. `shared_corpus: true` makes all tenants one
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import deque
 
 import numpy as np
 
@@ -36,10 +37,39 @@ SPEC_PER_MATCHED = 2.0  # nodes drafted per token of the matched suffix (at leas
 DEFAULT_CORPUS_TOKENS = 1 << 16  # per tenant: output tokens of finished requests kept
 
 
-def _key(tokens: list[int], end: int, n: int) -> int:
-    """The n-gram tokens[end - n:end] as a dictionary key (a collision only costs a draft that
-    verification rejects)."""
-    return hash(tuple(tokens[end - n:end]))
+def _longest_suffix(buf: np.ndarray, pad: int, held: int, tokens: list[int], cap: int,
+                    bounded: bool = False) -> tuple[int, np.ndarray]:
+    """(m, positions): the longest suffix of `tokens` (at most cap tokens) that occurs in
+    buf[pad:pad + held], and the positions (relative to pad) of the tokens that followed its
+    occurrences, most recent first; (0, []) when not even its last token occurs. buf holds -1
+    (no token) in the pad before; with `bounded`, -1 also ends each document, and an occurrence
+    at a document's end (nothing after it) does not count. One comparison of the whole stretch,
+    then of the survivors only, a token further back at a time."""
+    after = np.flatnonzero(buf[pad:pad + held] == buf.dtype.type(tokens[-1])) + 1
+    if bounded and len(after):
+        after = after[buf[after + pad] >= 0]
+    if not len(after):
+        return 0, _NONE
+    m = 1
+    while m < cap and len(after) > 8:
+        same = buf[after + (pad - 1 - m)] == tokens[-1 - m]
+        if not same.any():
+            return m, after[::-1]
+        after = after[same]
+        m += 1
+    if m < cap:  # a few left: each one's match compared as a list
+        want = tokens[-cap:-m]
+        lengths = []
+        for q in after.tolist():
+            seen = buf[pad + q - cap:pad + q - m].tolist()
+            n = 0
+            while n < len(want) and seen[-1 - n] == want[-1 - n]:
+                n += 1
+            lengths.append(n)
+        top = max(lengths)
+        after = after[np.asarray(lengths) == top]
+        m += top
+    return m, after[::-1]
 
 
 class SuffixIndex:
@@ -75,16 +105,7 @@ class SuffixIndex:
         cap = min(self.max_n, len(tokens) - 1)
         if cap < 1 or held < 2:
             return 0, _NONE
-        pad, buf = self.max_n, self.buf
-        # p: the positions after an occurrence of the last token (p - 1 < held - 1)
-        after = np.flatnonzero(buf[pad:pad + held - 1] == tokens[-1]) + 1
-        if not len(after):
-            return 0, _NONE
-        back = (after + (pad - 1))[:, None] - np.arange(cap)  # [occurrence, i]: the token i before
-        same = buf[back] == np.array(tokens[-1:-cap - 1:-1], dtype=np.int64)
-        length = np.cumprod(same, axis=1).sum(axis=1)
-        m = int(length.max())
-        return m, after[length >= m][::-1]
+        return _longest_suffix(self.buf, self.max_n, held - 1, tokens, cap)
 
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -92,51 +113,62 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 class SuffixCorpus:
     """The outputs of one tenant's finished requests, at most `max_tokens` in all (oldest out),
-    and where each of their n-grams occurs (most recent MAX_OCCURRENCES)."""
+    one after another in one array (each ended by -1), searched like a request's own text.
+
+    Adding an output is one copy into the array and evicting the oldest one shift; nothing is
+    built per token, so a finishing request never stalls the engine's step, and the corpus
+    takes 4 bytes a token (an n-gram dictionary took ~100 bytes per n-gram and token, some
+    100 MB for a full corpus, and seconds to fill with a long output)."""
 
     def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
-        self.docs: OrderedDict[int, list[int]] = OrderedDict()
-        self.after: dict[int, deque[tuple[int, int]]] = {}  # n-gram -> (doc, position after it)
+        self.docs: deque[list[int]] = deque()  # oldest first
+        self.starts: deque[int] = deque()  # where each doc begins, relative to the first's
         self.num_tokens = 0
-        self._next_doc = 0
+        self.buf = np.full(max_n, -1, dtype=np.int32)  # max_n of -1, then the docs
+        self.size = 0  # array entries held after the pad: tokens and the -1 ending each doc
 
     def add(self, tokens: list[int]) -> None:
         if len(tokens) <= self.min_n or len(tokens) > self.max_tokens:
             return
-        doc, self._next_doc = self._next_doc, self._next_doc + 1
-        self.docs[doc] = tokens = list(tokens)
+        pad, need = self.max_n, self.size + len(tokens) + 1
+        if pad + need > len(self.buf):
+            grown = np.full(pad + max(need, 2 * (len(self.buf) - pad)), -1, dtype=np.int32)
+            grown[:pad + self.size] = self.buf[:pad + self.size]
+            self.buf = grown
+        self.buf[pad + self.size:pad + need - 1] = tokens
+        self.buf[pad + need - 1] = -1
+        self.docs.append(list(tokens))
+        self.starts.append(self.size)
+        self.size = need
         self.num_tokens += len(tokens)
-        for p, n in self._grams(tokens):
-            at = self.after.get(k := _key(tokens, p, n))
-            if at is None:
-                self.after[k] = deque([(doc, p)], MAX_OCCURRENCES)
-            else:
-                at.append((doc, p))
-        while self.num_tokens > self.max_tokens:
+        if self.num_tokens > self.max_tokens:
             self._evict()
 
-    def _grams(self, tokens: list[int]):
-        for p in range(1, len(tokens)):
-            for n in range(self.min_n, min(self.max_n, p) + 1):
-                yield p, n
-
     def _evict(self) -> None:
-        doc, tokens = self.docs.popitem(last=False)
-        self.num_tokens -= len(tokens)
-        for p, n in self._grams(tokens):
-            k = _key(tokens, p, n)
-            at = self.after.get(k)
-            if at is not None:
-                try:
-                    at.remove((doc, p))
-                except ValueError:  # pushed out by newer occurrences already
-                    pass
-                if not at:
-                    del self.after[k]
+        """Drop the oldest docs until the rest fit: one shift of the array."""
+        while self.num_tokens > self.max_tokens:
+            self.num_tokens -= len(self.docs.popleft())
+            self.starts.popleft()
+        cut = self.starts[0] if self.starts else self.size
+        pad = self.max_n
+        self.buf[pad:pad + self.size - cut] = self.buf[pad + cut:pad + self.size]
+        self.buf[pad + self.size - cut:pad + self.size] = -1
+        self.size -= cut
+        self.starts = deque(s - cut for s in self.starts)
 
-    def occurrences(self, key: int) -> list[tuple[list[int], int]]:
-        return [(self.docs[d], p) for d, p in self.after.get(key, ())]
+    def matches(self, tokens: list[int], cap: int) -> tuple[int, list[tuple[list[int], int]]]:
+        """(m, occurrences): the longest suffix of `tokens` (at most cap tokens) found in the
+        corpus, and (doc, position of what followed) of its most recent MAX_OCCURRENCES
+        occurrences, most recent first."""
+        if not self.size or cap < 1:
+            return 0, []
+        m, after = _longest_suffix(self.buf, self.max_n, self.size, tokens, cap, bounded=True)
+        starts, docs, out = self.starts, self.docs, []
+        for q in after[:MAX_OCCURRENCES].tolist():
+            d = bisect.bisect_right(starts, q) - 1
+            out.append((docs[d], q - starts[d]))
+        return m, out
 
 
 class SuffixProposer:
@@ -241,13 +273,12 @@ class SuffixProposer:
         """(sequence, position) of the continuations of the longest suffix of `tokens` found in
         the request's own text or its tenant's corpus, most recent first; and its length."""
         own, positions = index.matches(tokens)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            found = corpus.occurrences(_key(tokens, len(tokens), n))[::-1] if corpus.after else []
-            if n <= own:
-                found = [(tokens, p) for p in positions[:MAX_OCCURRENCES].tolist()] + found
-            if found:
-                return found[:2 * MAX_OCCURRENCES], n
-        return [], 0
+        theirs, occurrences = corpus.matches(tokens, min(self.max_n, len(tokens) - 1))
+        m = max(own, theirs)
+        if m < self.min_n:
+            return [], 0
+        found = [(tokens, p) for p in positions[:MAX_OCCURRENCES].tolist()] if own == m else []
+        return found + (occurrences if theirs == m else []), m
 
     def remember(self, request_id: str, output: list[int], tenant: str | None) -> None:
         """A request finished: its output joins its tenant's corpus."""
