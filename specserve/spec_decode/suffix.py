@@ -6,14 +6,15 @@ No model runs: a draft costs a few vector passes. For each request the longest s
 committed tokens (max_match down to min_match tokens) is searched for in its own prompt and
 output (`SuffixIndex`) and in the outputs of recent finished requests of the same tenant
 (`SuffixCorpus`, bounded, oldest out): both are arrays of tokens, searched the same way
-(`_longest_suffix`), with nothing built per token. The continuations of the most recent occurrences of the
-longest suffix found are merged into a trie; a node's count is how many occurrences continue
-through it, its score the log of the share of occurrences that do (its path's frequency). The
-best-scored nodes form the tree, at most max_drafts and SPEC_PER_MATCHED per matched token (a
-one-token match is weak evidence, a twelve-token one strong). The decoder values the tree's
-first path (the most frequent continuation) like a prompt-lookup chain, by the request's own
-acceptance by depth, and the other branches by their scores as the policy's calibration
-learned them; the cost model keeps the nodes that pay their rows. Trees are one-hot, so
+(`_longest_suffix`), with nothing built per token. The continuations of the most recent
+occurrences of the longest suffix found are merged into a trie; a node's count is how many
+occurrences continue through it, its score the log of the share of occurrences that do (its
+path's frequency). The best-scored nodes form the tree, at most max_drafts and
+SPEC_PER_MATCHED per matched token (a one-token match is weak evidence, a twelve-token one
+strong). The decoder values the tree's first path (the most frequent continuation) like a
+prompt-lookup chain, by the request's own acceptance by depth, and the other branches by their
+scores as the policy's calibration learned them; the cost model keeps the nodes that pay their
+rows. Trees are one-hot, so
 verification is exact for greedy and sampled requests alike.
 
 Tenants: a request drafts only from its own text and from the outputs of requests of the same
@@ -117,8 +118,8 @@ class SuffixCorpus:
 
     Adding an output is one copy into the array and evicting the oldest one shift; nothing is
     built per token, so a finishing request never stalls the engine's step, and the corpus
-    takes 4 bytes a token (an n-gram dictionary took ~100 bytes per n-gram and token, some
-    100 MB for a full corpus, and seconds to fill with a long output)."""
+    takes 4 bytes a token (a dictionary of every n-gram took ~0.7 GB for a full corpus and
+    0.4-1.2 s of the engine's step to take a long output in; docs/benchmarks.md)."""
 
     def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
