@@ -14,8 +14,7 @@ SPEC_PER_MATCHED per matched token (a one-token match is weak evidence, a twelve
 strong). The decoder values the tree's first path (the most frequent continuation) like a
 prompt-lookup chain, by the request's own acceptance by depth, and the other branches by their
 scores as the policy's calibration learned them; the cost model keeps the nodes that pay their
-rows. Trees are one-hot, so
-verification is exact for greedy and sampled requests alike.
+rows. Trees are one-hot, so verification is exact for greedy and sampled requests alike.
 
 Tenants: a request drafts only from its own text and from the outputs of requests of the same
 tenant (the API key it came with), so nothing one tenant wrote can be drafted for another, nor
