@@ -7,6 +7,11 @@ drafts of both versions must be the same trees (--base).
 
     python benchmarks/experiments/suffix_corpus.py [--base /path/to/other/checkout]
         [--max-match 12 64] [--lengths 1000 4000 16000] [--drafts 200]
+
+With --load C (and --base): instead, `bench load`'s agentic loop (held-out conversations, C
+in flight, prefix caching), plain decoding beside two suffix-decoding engines, one with the
+other checkout's proposer swapped in, both corpora first filled with 60 filler outputs of
+1,000 tokens (a full corpus), the three interleaved.
 """
 
 import argparse
@@ -60,10 +65,15 @@ def main() -> None:
     p.add_argument("--max-match", type=int, nargs="+", default=[12, 64])
     p.add_argument("--lengths", type=int, nargs="+", default=[1000, 4000, 16000])
     p.add_argument("--drafts", type=int, default=200)
+    p.add_argument("--load", type=int, metavar="C", help="bench load's agentic loop at C in flight (needs --base)")
     args = p.parse_args()
     versions = {"this": load_suffix(Path(__file__).resolve().parents[2], "suffix_this")}
     if args.base:
         versions["base"] = load_suffix(args.base, "suffix_base")
+    if args.load:
+        if not args.base:
+            raise SystemExit("suffix_corpus: --load needs --base")
+        return under_load(versions["base"], args.load)
     rng = random.Random(0)
     print("| max_match | output tokens | version | slowest remember (ms) | full corpus (MB) | draft (us, median) |")
     print("|---:|---:|---|---:|---:|---:|")
@@ -93,6 +103,32 @@ def main() -> None:
                 print(f"| {max_match} | {length:,} | {name} | {filled[name][1]:.1f} | "
                       f"{memory_mb(m, max_match, outputs):.1f} | {statistics.median(times[name]) * 1e6:.0f} |",
                       flush=True)
+
+
+def under_load(base, concurrency: int) -> None:
+    from specserve import LLM, SamplingParams
+    from specserve.bench.load import agentic_prompt_ids, conversation_list, run_level, summarise_level, warm_up
+
+    common = dict(max_num_seqs=concurrency, max_model_len=4096, enable_prefix_caching=True)
+    engines = {"none": LLM(None, speculative_config=None, **common),
+               "suffix": LLM(None, speculative_config={"method": "suffix"}, **common),
+               "suffix-base": LLM(None, speculative_config={"method": "suffix"}, **common)}
+    mine = engines["suffix-base"].engine.spec
+    p = mine.proposer
+    mine.proposer = base.SuffixProposer(p.max_drafts, p.min_n, p.max_n, p.corpus_tokens, p.shared)
+    rng = random.Random(0)
+    filler = [[rng.randrange(VOCAB) for _ in range(1000)] for _ in range(60)]
+    for name in ("suffix", "suffix-base"):
+        for i, out in enumerate(filler):
+            engines[name].engine.spec.proposer.remember(f"filler-{i}", out, None)
+    params = SamplingParams(temperature=0, max_tokens=128)
+    conversations, _ = agentic_prompt_ids(engines["none"], "heldout", 128, 4096)
+    warm_up(engines, concurrency, params)
+    ids, after = conversation_list(conversations, concurrency, None)
+    row = summarise_level(concurrency, run_level(engines, ids, concurrency, 0, 1, params, False, after))
+    for name, m in row["methods"].items():
+        print(f"{name}: {m['tokens_per_s']:.1f} tok/s ({m['speedup']:.3f}x plain), decode "
+              f"{m['decode_speedup']:.3f}x, {m['mismatches']} mismatches")
 
 
 if __name__ == "__main__":
