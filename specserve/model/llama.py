@@ -436,13 +436,12 @@ class LlamaForCausalLM(nn.Module):
         with the same bits as the layer-by-layer path."""
         from specserve.kernels.cpu import decoder
 
-        packed = packed_product
         if type(self.embed_tokens) is not nn.Embedding or not decoder.available():
             return None
         eps, layers = self.norm.eps, []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            products = [packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            products = [packed_product(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if (None in products or attn.q_norm is not None or type(layer) is not DecoderLayer
                     or any(type(n) is not RMSNorm or n.eps != eps for n in norms)):
