@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections import deque
 
 import numpy as np
 
@@ -51,7 +50,7 @@ def _longest_suffix(buf: np.ndarray, pad: int, held: int, tokens: list[int], cap
     if not len(after):
         return 0, _NONE
     m = 1
-    while m < cap and len(after) > 8:
+    while m < cap and len(after) > _FEW:
         same = buf[after + (pad - 1 - m)] == tokens[-1 - m]
         if not same.any():
             return m, after[::-1]
@@ -109,6 +108,7 @@ class SuffixIndex:
 
 
 _NONE = np.zeros(0, dtype=np.int64)
+_FEW = 8  # at most this many occurrences left: _longest_suffix compares each one's match as a list
 
 
 class SuffixCorpus:
@@ -122,8 +122,9 @@ class SuffixCorpus:
 
     def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
-        self.docs: deque[list[int]] = deque()  # oldest first
-        self.starts: deque[int] = deque()  # where each doc begins, relative to the first's
+        self.docs: list[list[int]] = []  # oldest first
+        self.starts: list[int] = []  # where each doc begins, counted since the first doc ever
+        self.base = 0  # ... where the array's first entry after the pad is
         self.num_tokens = 0
         self.buf = np.full(max_n, -1, dtype=np.int32)  # max_n of -1, then the docs
         self.size = 0  # array entries held after the pad: tokens and the -1 ending each doc
@@ -139,7 +140,7 @@ class SuffixCorpus:
         self.buf[pad + self.size:pad + need - 1] = tokens
         self.buf[pad + need - 1] = -1
         self.docs.append(list(tokens))
-        self.starts.append(self.size)
+        self.starts.append(self.base + self.size)
         self.size = need
         self.num_tokens += len(tokens)
         if self.num_tokens > self.max_tokens:
@@ -147,15 +148,18 @@ class SuffixCorpus:
 
     def _evict(self) -> None:
         """Drop the oldest docs until the rest fit: one shift of the array."""
-        while self.num_tokens > self.max_tokens:
-            self.num_tokens -= len(self.docs.popleft())
-            self.starts.popleft()
-        cut = self.starts[0] if self.starts else self.size
+        drop, kept = 0, self.num_tokens
+        while kept > self.max_tokens:
+            kept -= len(self.docs[drop])
+            drop += 1
+        del self.docs[:drop], self.starts[:drop]
+        self.num_tokens = kept
+        cut = self.starts[0] - self.base if self.starts else self.size
         pad = self.max_n
         self.buf[pad:pad + self.size - cut] = self.buf[pad + cut:pad + self.size]
         self.buf[pad + self.size - cut:pad + self.size] = -1
         self.size -= cut
-        self.starts = deque(s - cut for s in self.starts)
+        self.base += cut
 
     def matches(self, tokens: list[int], cap: int) -> tuple[int, list[tuple[list[int], int]]]:
         """(m, occurrences): the longest suffix of `tokens` (at most cap tokens) found in the
@@ -166,8 +170,8 @@ class SuffixCorpus:
         m, after = _longest_suffix(self.buf, self.max_n, self.size, tokens, cap, bounded=True)
         starts, docs, out = self.starts, self.docs, []
         for q in after[:MAX_OCCURRENCES].tolist():
-            d = bisect.bisect_right(starts, q) - 1
-            out.append((docs[d], q - starts[d]))
+            d = bisect.bisect_right(starts, q + self.base) - 1
+            out.append((docs[d], q + self.base - starts[d]))
         return m, out
 
 
