@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], api_key: str | None = None) -> None:
+    def __init__(self, args: list[str], api_key: str | None = None, wait: bool = True) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -46,9 +46,10 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(REPO))
-        self._wait_ready()
+        if wait:
+            self.wait_ready()
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -108,6 +109,20 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def start_servers(**args: list[str]) -> dict[str, ServerProcess]:
+    """Servers started side by side (name -> its arguments), returned once all are ready: most of
+    a start is single-threaded (imports, reading the weights), so two overlap on two cores."""
+    procs = {name: ServerProcess(a, wait=False) for name, a in args.items()}
+    try:
+        for proc in procs.values():
+            proc.wait_ready()
+    except BaseException:
+        for proc in procs.values():
+            proc.stop()
+        raise
+    return procs
 
 
 def default_model_args(max_model_len: int = 256) -> list[str]:

@@ -326,23 +326,24 @@ def test_bench_serve_against_server(server, tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 
-def test_eagle_out_of_the_box_streams_the_plain_greedy_text(client):
-    """`--speculative-config '{"method": "eagle"}'` (the shipped head, int8 on CPU, m 8):
-    a streamed greedy answer equals the plain server's, and drafts were verified (how many were
-    accepted depends on the machine: where speculation measures slower it is switched off)."""
+def test_eagle_out_of_the_box_streams_the_plain_greedy_text(server, client, llm):
+    """The default server (EAGLE with the shipped head): a streamed greedy answer equals plain
+    decoding's (the session's plain engine, same chat template), and drafts were verified (how
+    many were accepted depends on the machine: where speculation measures slower it is switched
+    off)."""
+    from specserve import SamplingParams
+
     prompt = "Write three sentences about the history of bicycles."
-    want = chat(client, prompt, max_tokens=48).choices[0].message.content
-    proc = ServerProcess(default_model_args() + ["--speculative-config", '{"method": "eagle"}'])
-    try:
-        stream = proc.openai().chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=48, temperature=0,
-            stream=True, stream_options={"include_usage": True})
-        chunks = list(stream)
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text == want
-        spec = chunks[-1].usage.model_extra["speculation"]
-        assert spec["num_draft_tokens"] > 0
-        assert proc.metric("specserve:spec_decode_num_drafts_total", model_name=MODEL) > 0
-        assert proc.metric("specserve:spec_decode_steps_total", model_name=MODEL, kind="drafting") > 0
-    finally:
-        proc.stop()
+    want = llm.chat([{"role": "user", "content": prompt}],
+                    SamplingParams(temperature=0, max_tokens=48))[0].outputs[0].text
+    drafts = server.metric("specserve:spec_decode_num_drafts_total", model_name=MODEL)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=48, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want
+    spec = chunks[-1].usage.model_extra["speculation"]
+    assert spec["num_draft_tokens"] > 0
+    assert server.metric("specserve:spec_decode_num_drafts_total", model_name=MODEL) > drafts
+    assert server.metric("specserve:spec_decode_steps_total", model_name=MODEL, kind="drafting") > 0

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_fixtures import ServerProcess, default_model_args
+from tests.server_fixtures import default_model_args, start_servers
 
 MODEL = "smollm2-135m-instruct"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
@@ -21,9 +21,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
 
 @pytest.fixture(scope="module")
 def servers():
-    procs = {"plain": ServerProcess(default_model_args() + ["--speculative-config", "none",
-                                                            "--max-request-body-bytes", "100000"]),
-             "eagle": ServerProcess(default_model_args() + ["--speculative-config", '{"method": "eagle"}'])}
+    procs = start_servers(plain=default_model_args() + ["--speculative-config", "none",
+                                                        "--max-request-body-bytes", "100000"],
+                          eagle=default_model_args() + ["--speculative-config", '{"method": "eagle"}'])
     yield procs
     for proc in procs.values():
         proc.stop()

@@ -142,7 +142,7 @@ def test_realized_times_the_engines_own_steps(ngram_llm):
             step_start = time.perf_counter()
             ngram_llm.engine.step()
             longest = max(longest, time.perf_counter() - step_start)
-            time.sleep(0.5)
+            time.sleep(max(0.1, 3 * longest))  # a pause longer than any step
     finally:
         spec.policy.realized.observe, spec.policy.adaptive = observe, adaptive
     # a sample is the end of one step and the start of the next, never the pause between them

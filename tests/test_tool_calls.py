@@ -17,7 +17,7 @@ from specserve.server.protocol import ChatCompletionRequest, ChatMessage
 from specserve.server.serving_chat import ChatCall, _ToolCallStream, render_chat_prompt
 from specserve.server.tool_parsers import (TOOL_PARSERS, ParsedCall, arguments_schema,
                                            get_tool_parser)
-from tests.server_fixtures import ServerProcess, default_model_args
+from tests.server_fixtures import default_model_args, start_servers
 
 MODEL = "smollm2-135m-instruct"
 PARSERS = list(TOOL_PARSERS)
@@ -301,16 +301,24 @@ def test_request_model_fields():
 
 # -- end to end ------------------------------------------------------------------------------
 
-SPEC_CONFIGS = {"auto": [], "eagle": ["--speculative-config", '{"method": "eagle"}']}
+SPEC_CONFIGS = {"auto": [], "none": ["--speculative-config", "none"]}  # the default against plain
 _RESULTS: dict[str, dict[str, object]] = {}  # config -> test -> calls, compared across configs
 
 
+@pytest.fixture(scope="module")
+def servers():
+    procs = start_servers(**{name: default_model_args(max_model_len=1024) + args
+                             for name, args in SPEC_CONFIGS.items()})
+    for name, proc in procs.items():
+        proc.config = name
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
 @pytest.fixture(scope="module", params=list(SPEC_CONFIGS))
-def server(request):
-    proc = ServerProcess(default_model_args(max_model_len=1024) + SPEC_CONFIGS[request.param])
-    proc.config = request.param
-    yield proc
-    proc.stop()
+def server(request, servers):
+    return servers[request.param]
 
 
 @pytest.fixture(scope="module")

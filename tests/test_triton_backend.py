@@ -13,7 +13,9 @@ import pytest
 SCRIPT = r"""
 import json, sys
 from specserve import LLM, SamplingParams
-llm = LLM(sys.argv[1], max_model_len=128, num_blocks=32, block_size=16, dtype="float32")
+# every draft verified (no cost model to calibrate: its timed steps would run interpreted)
+llm = LLM(sys.argv[1], max_model_len=128, num_blocks=32, block_size=16, dtype="float32",
+          speculative_config={"method": "ngram", "adaptive": False})
 prompts = ["hello world, this is a longer prompt that spans more than one block of sixteen", "hi"]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
 print(json.dumps({"backend": type(llm.engine.runner.backend).__name__,
