@@ -387,6 +387,24 @@ def test_speculation_measured_slower_is_switched_off_and_probed():
     assert run_realized(Realized(), 1, 200, spec_cost=1.1, spread=0.1).count(True) <= MIN_SAMPLES + 3 * PROBE_RUN
 
 
+def test_free_drafts_are_not_judged_at_batch_1(make_llm, tiny_model_dir):
+    """Steps whose drafts cost no model time (prompt lookup, suffix decoding: Realized.free)
+    stay on at batch 1 however they measure, plain samples apart; above it, and for a kind
+    that is not free (EAGLE's lookup chains alone, say), the verdict stands. Lookup and suffix
+    decoders mark their steps free."""
+    gate = Realized()
+    gate.free = frozenset([SPEC])
+    modes = run_realized(gate, 1, 200, spec_cost=1.5, spread=0.1)
+    assert modes.count(False) <= PLAIN_SAMPLES_FIRST + 200 // PLAIN_SAMPLE_EVERY and not gate.off
+    assert run_realized(gate, 16, 200, spec_cost=1.5, spread=0.1).count(True) <= MIN_SAMPLES + 3 * PROBE_RUN
+    gate = Realized()
+    gate.free = frozenset([LOOKUP_ONLY])
+    assert run_realized(gate, 1, 200, spec_cost=1.5, spread=0.1).count(True) <= MIN_SAMPLES + 3 * PROBE_RUN
+    for config, free in (({"method": "ngram"}, {SPEC}), ({"method": "suffix"}, {SPEC})):
+        llm = make_llm(str(tiny_model_dir), max_model_len=256, speculative_config=config)
+        assert llm.engine.spec.policy.realized.free == free
+
+
 def test_one_outlying_plain_sample_does_not_stand_for_plain():
     """A bucket's first plain sample 30% slow (a stalled step): speculation 10% slower than
     plain goes off within PLAIN_SAMPLE_EVERY steps, not after it (plain's rate is the mean of

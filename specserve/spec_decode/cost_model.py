@@ -271,6 +271,7 @@ class Realized:
         self.count: dict[tuple[int, int], int] = {}  # (bucket, kind) -> steps observed
         self.off: dict[tuple[int, int], _Off] = {}
         self.since_plain: dict[int, int] = {}
+        self.free: frozenset[int] = frozenset()  # kinds whose drafts cost no model time (see _on)
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -353,7 +354,18 @@ class Realized:
         before the first one, and probes in runs of QUICK_SAMPLES + 1 steps: where a step with
         drafts costs several plain steps, eight samples of it and a run of six every 32 steps
         would cost more than a short load's whole gain could repay. A batch size with no samples
-        of the kind starts from a smaller one's far verdict (`_inherited`)."""
+        of the kind starts from a smaller one's far verdict (`_inherited`).
+
+        A kind whose drafts cost no model time (`free`: the steps of prompt lookup or suffix
+        decoding) is never judged at batch 1: there the policy values each step's one tree
+        from the request's own acceptance before verifying it, a step without drafts costs a
+        plain step and a little, and a verdict of slower, over the ~20 steps the sums remember, ends up
+        switching speculation off for PROBE_AFTER steps just as a stretch of new text gives way
+        to one that repeats the context (agentic turns at batch 1: 75-230 of ~600 steps judged
+        plain, 4-7% of the speed-up lost, and nothing gained on Spec-Bench's questions). EAGLE's
+        lookup chains alone (LOOKUP_ONLY) stay judged: measured no faster so."""
+        if b == 1 and kind in self.free:
+            return True
         seconds, tokens = self.spec.get((b, kind), (0.0, 0.0))[:2]
         if tokens > 0:
             ratio = seconds / tokens / max(plain, 1e-12)

@@ -50,6 +50,8 @@ class SpecDecoder:
         # steps with the lookup chains alone are a kind of their own (Realized's LOOKUP_ONLY)
         # where a proposer with a cost per request drafts beside them
         self._fallback = lookup is not None and getattr(proposer, "costs_per_request", False)
+        # prompt lookup alone or suffix decoding: no drafting step costs model time
+        self.policy.realized.free = frozenset([SPEC] if not getattr(proposer, "costs_per_request", False) else [])
         self.states: dict[str, RequestState] = {}
         self._gate_seen: set[str] = set()  # requests the speculation gate has counted (Realized.new_requests)
         self._num_drafted = 1  # requests the proposer drafted for last step (its cost share)
