@@ -357,13 +357,13 @@ class Realized:
         of the kind starts from a smaller one's far verdict (`_inherited`).
 
         A kind whose drafts cost no model time (`free`: the steps of prompt lookup or suffix
-        decoding) is never judged at batch 1: there the policy values each step's one tree
-        from the request's own acceptance before verifying it, a step without drafts costs a
-        plain step and a little, and a verdict of slower, over the ~20 steps the sums remember, ends up
-        switching speculation off for PROBE_AFTER steps just as a stretch of new text gives way
-        to one that repeats the context (agentic turns at batch 1: 75-230 of ~600 steps judged
-        plain, 4-7% of the speed-up lost, and nothing gained on Spec-Bench's questions). EAGLE's
-        lookup chains alone (LOOKUP_ONLY) stay judged: measured no faster so."""
+        decoding) is never judged at batch 1: there the policy values each step's one tree from
+        the request's own acceptance before verifying it, and a step without drafts costs a
+        plain step and the lookup. A verdict of slower, over the ~20 steps the sums remember,
+        switched such decoding off for PROBE_AFTER steps just as a stretch of new text gave way
+        to one that repeats the context (agentic turns at batch 1: 46-230 of ~600 steps judged
+        plain, 4-7% of the speed-up lost; nothing gained on Spec-Bench's questions). EAGLE's
+        lookup chains alone (LOOKUP_ONLY) stay judged: measured no faster unjudged."""
         if b == 1 and kind in self.free:
             return True
         seconds, tokens = self.spec.get((b, kind), (0.0, 0.0))[:2]
