@@ -271,7 +271,7 @@ class Realized:
         self.count: dict[tuple[int, int], int] = {}  # (bucket, kind) -> steps observed
         self.off: dict[tuple[int, int], _Off] = {}
         self.since_plain: dict[int, int] = {}
-        self.free: frozenset[int] = frozenset()  # kinds whose drafts cost no model time (see _on)
+        self.free: frozenset[int] = frozenset()  # kinds whose drafts cost no model time (see speculate)
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -332,8 +332,20 @@ class Realized:
     def speculate(self, batch: int, fallback: bool = False) -> int:
         """The kind of the next step of `batch` requests: PLAIN, SPEC, or (with `fallback`: the
         decoder has a lookup beside a per-request proposer) LOOKUP_ONLY where SPEC measured
-        slower and the lookup chains alone have not."""
+        slower and the lookup chains alone have not.
+
+        Steps whose drafts cost no model time (`free`: those of prompt lookup or suffix
+        decoding) are never judged at batch 1, and so take no plain samples there: at batch 1
+        the policy values the step's one tree from the request's own acceptance before
+        verifying it, and a step without drafts costs a plain step and the lookup. A verdict of
+        slower, over the ~20 steps the sums remember, switched such decoding off for
+        PROBE_AFTER steps just as a stretch of new text gave way to one that repeats the
+        context (agentic turns at batch 1: 46-230 of ~600 steps judged plain, 4-7% of the
+        speed-up lost; nothing gained on Spec-Bench's questions). EAGLE's lookup chains alone
+        (LOOKUP_ONLY) stay judged: measured no faster unjudged."""
         b = self.bucket(batch)
+        if b == 1 and SPEC in self.free:
+            return SPEC
         every = PLAIN_SAMPLE_EVERY // (4 if self.count.get((b, PLAIN), 0) < PLAIN_SAMPLES_FIRST else 1)
         if self.since_plain.get(b, every) >= every:
             # measure a plain step (taken: a step that turns out to hold a prefill chunk is no
@@ -354,18 +366,7 @@ class Realized:
         before the first one, and probes in runs of QUICK_SAMPLES + 1 steps: where a step with
         drafts costs several plain steps, eight samples of it and a run of six every 32 steps
         would cost more than a short load's whole gain could repay. A batch size with no samples
-        of the kind starts from a smaller one's far verdict (`_inherited`).
-
-        A kind whose drafts cost no model time (`free`: the steps of prompt lookup or suffix
-        decoding) is never judged at batch 1: there the policy values each step's one tree from
-        the request's own acceptance before verifying it, and a step without drafts costs a
-        plain step and the lookup. A verdict of slower, over the ~20 steps the sums remember,
-        switched such decoding off for PROBE_AFTER steps just as a stretch of new text gave way
-        to one that repeats the context (agentic turns at batch 1: 46-230 of ~600 steps judged
-        plain, 4-7% of the speed-up lost; nothing gained on Spec-Bench's questions). EAGLE's
-        lookup chains alone (LOOKUP_ONLY) stay judged: measured no faster unjudged."""
-        if b == 1 and kind in self.free:
-            return True
+        of the kind starts from a smaller one's far verdict (`_inherited`)."""
         seconds, tokens = self.spec.get((b, kind), (0.0, 0.0))[:2]
         if tokens > 0:
             ratio = seconds / tokens / max(plain, 1e-12)
