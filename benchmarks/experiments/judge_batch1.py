@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def turns(args):
-    """Each conversation's message lists as its turns are sent; replies are filled in later."""
+def conversations(args):
+    """The workload as conversations (a Spec-Bench question: one of a single turn)."""
     from specserve.bench.spec import CATEGORIES, load_conversations, load_prompts
 
     if args.workload == "spec_bench":
@@ -37,42 +37,29 @@ def main() -> None:
     args = parser.parse_args()
 
     from specserve import LLM, SamplingParams
+    from specserve.bench.spec import Tally, run_conversations
     from specserve.spec_decode.cost_model import PLAIN
 
-    engines = {"plain": LLM(None, max_model_len=4096, speculative_config=None)}
-    for arm in ("not judged", "judged"):
+    arms = ("not judged", "judged")
+    engines = {"none": LLM(None, max_model_len=4096, speculative_config=None)}
+    for arm in arms:
         engines[arm] = LLM(None, max_model_len=4096, speculative_config={"method": args.method})
     engines["judged"].engine.spec.policy.realized.free = frozenset()  # as every batch size is judged
-    kinds = {arm: collections.Counter() for arm in ("not judged", "judged")}
+    kinds = {arm: collections.Counter() for arm in arms}
     for arm, counter in kinds.items():
         realized = engines[arm].engine.spec.policy.realized
         speculate = realized.speculate
         realized.speculate = lambda b, f=False, s=speculate, c=counter: (k := s(b, f), c.update([k]))[0]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    room = 4096 - args.max_tokens - 8
-    tokens, seconds, mismatches = (collections.Counter() for _ in range(3))
-    template, tokenizer = engines["plain"].apply_chat_template, engines["plain"].engine.tokenizer
-    for conv in turns(args):
-        messages = [{"role": "system", "content": conv["system"]}] if conv.get("system") else []
-        for turn in conv["turns"]:
-            messages.append({"role": "user", "content": turn})
-            ids = template(messages)[-room:]
-            outs = {}
-            for name, llm in engines.items():
-                r = llm.generate({"prompt_token_ids": ids}, params)[0]
-                outs[name] = r.outputs[0].token_ids
-                tokens[name] += len(outs[name]) - 1
-                seconds[name] += r.finished_time - r.first_token_time
-                mismatches[name] += outs[name] != outs["plain"]
-            messages.append({"role": "assistant", "content": tokenizer.decode(outs["plain"], skip_special_tokens=True)})
-    plain = tokens["plain"] / seconds["plain"]
+    tallies = {name: Tally() for name in engines}
+    run_conversations(engines, conversations(args), lambda conv: tallies,
+                      SamplingParams(temperature=0, max_tokens=args.max_tokens), 4096 - args.max_tokens - 8)
+    plain = tallies["none"].decode_tps
     print(f"{args.method}, {args.workload} ({args.split if args.workload == 'agentic' else f'skip {args.skip}'}); "
           f"plain {plain:.1f} tok/s")
-    for arm in kinds:
-        rate = tokens[arm] / seconds[arm]
+    for arm in arms:
         steps = sum(kinds[arm].values())
-        print(f"  {arm:>10}: {rate / plain:.3f}x plain, {kinds[arm][PLAIN]} of {steps} steps plain, "
-              f"{mismatches[arm]} mismatches")
+        print(f"  {arm:>10}: {tallies[arm].decode_tps / plain:.3f}x plain, {kinds[arm][PLAIN]} of {steps} steps "
+              f"plain, {tallies[arm].mismatches} mismatches")
 
 
 if __name__ == "__main__":

@@ -222,6 +222,19 @@ def _run_turn(engines: dict, tallies: dict, ids: list[int], params) -> list[int]
     return reference
 
 
+def run_conversations(engines: dict, conversations, tallies_of, params, room: int) -> None:
+    """Each conversation's turns in order through every engine (`_run_turn`), plain decoding's
+    reply appended as the assistant's before the next turn; tallies_of(conversation) -> the
+    tallies its turns count in. A prompt keeps its last `room` tokens."""
+    template, tokenizer = engines["none"].apply_chat_template, engines["none"].engine.tokenizer
+    for conv in conversations:
+        messages = [{"role": "system", "content": conv["system"]}] if conv.get("system") else []
+        for turn in conv["turns"]:
+            messages.append({"role": "user", "content": turn})
+            reply = _run_turn(engines, tallies_of(conv), template(messages)[-room:], params)
+            messages.append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
+
+
 def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
@@ -247,14 +260,8 @@ def run(args: argparse.Namespace) -> dict:
         categories = list(dict.fromkeys(c["kind"] for c in conversations))
         engines = build_engines(args, variants)
         tallies = {c: {m: Tally() for m in engines} for c in categories}
-        template, tokenizer = engines["none"].apply_chat_template, engines["none"].engine.tokenizer
-        for conv in tqdm(conversations, desc="agentic bench", unit="conversation"):
-            messages = [{"role": "system", "content": conv["system"]}] if conv.get("system") else []
-            for turn in conv["turns"]:
-                messages.append({"role": "user", "content": turn})
-                reply = _run_turn(engines, tallies[conv["kind"]], template(messages)[-room:], params)
-                messages.append({"role": "assistant",
-                                 "content": tokenizer.decode(reply, skip_special_tokens=True)})
+        run_conversations(engines, tqdm(conversations, desc="agentic bench", unit="conversation"),
+                          lambda conv: tallies[conv["kind"]], params, room)
     else:
         categories = args.category or CATEGORIES
         if args.mt_bench_split and "mt_bench" not in categories:
