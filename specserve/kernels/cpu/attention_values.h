@@ -13,12 +13,16 @@
 static inline VP_ATTR __attribute__((always_inline)) void VP_SUMS(
         const int RG, const int CN, const float *const *p, const int64_t *n, int64_t lo, int64_t shared,
         int64_t shared_hi, const int64_t *slots, const float *v_cache, const int64_t *const *own, int64_t c0,
-        float *const *acc) {
+        float *const *acc, int64_t token_bytes) {
     VP_VEC a[4][4];
     for (int i = 0; i < RG; i++)
         for (int c = 0; c < CN; c++) a[i][c] = VP_ZERO();
     for (int64_t j = lo; j < shared_hi; j++) {
         const float *v = v_cache + slots[j] + VP_LANES * c0;
+        if (j + PREFETCH_KEYS < shared_hi) {
+            if (token_bytes && c0 == 0) prefetch_token(v_cache + slots[j + PREFETCH_KEYS], token_bytes);
+            else if (!token_bytes) prefetch_row(v_cache + slots[j + PREFETCH_KEYS] + VP_LANES * c0, CN * VP_LANES * 4);
+        }
         VP_VEC pj[4];
         for (int i = 0; i < RG; i++) pj[i] = VP_BCAST(p[i] + j);
         for (int c = 0; c < CN; c++) {
@@ -37,10 +41,10 @@ static inline VP_ATTR __attribute__((always_inline)) void VP_SUMS(
 }
 
 #define VP_CHUNK(rg) switch (cn) { \
-    case 4: VP_SUMS(rg, 4, p, n, lo, shared, shared_hi, slots, v_cache, own, c0, accs); break; \
-    case 3: VP_SUMS(rg, 3, p, n, lo, shared, shared_hi, slots, v_cache, own, c0, accs); break; \
-    case 2: VP_SUMS(rg, 2, p, n, lo, shared, shared_hi, slots, v_cache, own, c0, accs); break; \
-    default: VP_SUMS(rg, 1, p, n, lo, shared, shared_hi, slots, v_cache, own, c0, accs); }
+    case 4: VP_SUMS(rg, 4, p, n, lo, shared, shared_hi, slots, v_cache, own, c0, accs, token_bytes); break; \
+    case 3: VP_SUMS(rg, 3, p, n, lo, shared, shared_hi, slots, v_cache, own, c0, accs, token_bytes); break; \
+    case 2: VP_SUMS(rg, 2, p, n, lo, shared, shared_hi, slots, v_cache, own, c0, accs, token_bytes); break; \
+    default: VP_SUMS(rg, 1, p, n, lo, shared, shared_hi, slots, v_cache, own, c0, accs, token_bytes); }
 
 /* acc[r * D ..] = sum_j p_r[j] v_j for rows r = 0 .. R - 1 of one task (row r: token t0 + r / G,
  * probabilities scores[r * max_keys ..], own keys' slots from slots + own_at[r / G]) over the
@@ -48,7 +52,7 @@ static inline VP_ATTR __attribute__((always_inline)) void VP_SUMS(
 static VP_ATTR void VP_NAME(int64_t R, int64_t G, int64_t t0, int64_t D, const float *scores, int64_t max_keys,
                             const int64_t *dense, const int64_t *extra_ptr, const int64_t *slots,
                             const int64_t *own_at, int64_t shared, int64_t lo, int64_t hi,
-                            const float *v_cache, float *acc) {
+                            const float *v_cache, float *acc, int64_t token_bytes) {
     const int64_t vecs = D / VP_LANES, shared_hi = shared < hi ? shared : hi;
     for (int64_t r0 = 0; r0 < R; r0 += VP_ROWS) {
         const int64_t rg = R - r0 < VP_ROWS ? R - r0 : VP_ROWS;

@@ -21,6 +21,15 @@
  * 8-lane chains side by side in one vector for the scores, 16 lanes of D for the values, so
  * the same bits.
  *
+ * Memory: a token's keys (and values) of all KV heads lie together ([Hkv, D]), so a task reads
+ * one head's D floats of every Hkv * D: a strided stream the hardware prefetchers serve poorly
+ * (a decode row over thousands of keys read the cache at under half the machine's bandwidth).
+ * Where there are tasks enough for every thread, a thread takes a partition's KV heads in turn
+ * (scheduling only: no sum changes order), and the first head's passes ask for the whole
+ * tokens' rows into L2 ahead of use (prefetch_token), so the cache is read in order and the
+ * other heads find their rows there; every pass also asks for its own head's rows PREFETCH_KEYS
+ * keys ahead (prefetch_row).
+ *
  * exp is a polynomial (exp_ps below): relative error ~2e-7 on the range softmax uses.
  */
 #include <immintrin.h>
@@ -35,6 +44,19 @@
 #ifndef PARTITION
 #define PARTITION 512 /* keys of a task: a context of more is split, its partitions merged */
 #endif
+#ifndef PREFETCH_KEYS
+#define PREFETCH_KEYS 32 /* how far ahead (keys) the passes ask for their key and value rows */
+#endif
+
+/* Asks for the cache lines of one head's key or value row (`bytes` from p) ahead of use, into L1. */
+static inline void prefetch_row(const float *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
+/* The same for a token's row of every KV head, into L2 (for the heads a thread runs next). */
+static inline void prefetch_token(const float *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+}
 
 /* exp(x) for x <= 0 (softmax arguments): 2^n * 2^f, n = round(x / ln 2), f in [-1/2, 1/2],
  * 2^f by its Taylor series in f * ln 2 to the 7th power; below -87 the result is 0. */
@@ -190,7 +212,7 @@ int paged_attention_wide(int on) {
  * are score_keys', so are the bits. */
 __attribute__((target("avx512f"))) static void score_shared16(
         const float *const *qrows, int64_t R, const float *k_cache, const int64_t *slots, int64_t shared,
-        int64_t vecs, float scale, float *scores, int64_t max_keys, float *pairs) {
+        int64_t vecs, float scale, float *scores, int64_t max_keys, float *pairs, int64_t token_bytes) {
     const int64_t P = (R + 1) / 2;
     for (int64_t i = 0; i < P; i++) {
         const float *qa = qrows[2 * i], *qb = qrows[2 * i + 1 < R ? 2 * i + 1 : 2 * i];
@@ -204,6 +226,9 @@ __attribute__((target("avx512f"))) static void score_shared16(
         const int64_t nk = shared - j < 8 ? shared - j : 8;
         const float *k[8];
         for (int64_t i = 0; i < 8; i++) k[i] = k_cache + slots[j + (i < nk ? i : 0)];
+        for (int64_t i = j + PREFETCH_KEYS; i < j + PREFETCH_KEYS + 8 && i < shared; i++)
+            if (token_bytes) prefetch_token(k_cache + slots[i], token_bytes);
+            else prefetch_row(k_cache + slots[i], vecs * 32);
         for (int64_t i = 0; i < P; i++) {
             const float *qq = pairs + i * vecs * 16;
             __m512 a[8];
@@ -236,14 +261,17 @@ __attribute__((target("avx512f"))) static void score_shared16(
  * Scores take 8 keys at a time (8 chains in flight, their lanes summed together); value sums
  * take 2 rows at a time (4 with AVX-512) over 4 vectors of D (each value vector loaded once for
  * them). Only the keys lo .. hi - 1 of each row's key list (its partition); with part_m, the
- * rows' (max, sum, weighted values) go to the partition buffers instead of out. */
+ * rows' (max, sum, weighted values) go to the partition buffers instead of out. heads_in_turn:
+ * this thread runs the partition's KV heads one after another (head 0 then asks for every
+ * head's rows). */
 static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t q_stride, int64_t Hq, int64_t Hkv,
                      int64_t D, const float *k_cache, const float *v_cache, int64_t block_size,
                      const int64_t *table, const int64_t *dense, const int64_t *extra_ptr,
                      const int64_t *extra_pos, int64_t max_keys, float scale, float *out,
                      float *scores, float *acc, int64_t *slots, float *pairs, int64_t lo, int64_t hi,
-                     float *part_m, float *part_l, float *part_acc, int64_t part, int64_t NP) {
+                     float *part_m, float *part_l, float *part_acc, int64_t part, int64_t NP, int heads_in_turn) {
     const int64_t G = Hq / Hkv, vecs = D / 8, R = (t1 - t0) * G;
+    const int64_t token_bytes = heads_in_turn && h == 0 ? Hkv * D * (int64_t)sizeof(float) : 0;
     int64_t shared = dense[t0];
     for (int64_t t = t0 + 1; t < t1; t++) shared = dense[t] < shared ? dense[t] : shared;
     const int64_t shared_hi = shared < hi ? shared : hi;
@@ -265,11 +293,15 @@ static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t 
     for (int64_t r = 0; r < R; r++) qrows[r] = q + (t0 + r / G) * q_stride + (h * G + r % G) * D;
     /* 1. scores: row r = (t - t0) * G + g at scores[r * max_keys + j] */
     if (use_avx512 > 0 && R > 1 && shared_hi > lo)
-        score_shared16(qrows, R, k_cache, slots + lo, shared_hi - lo, vecs, scale, scores + lo, max_keys, pairs);
+        score_shared16(qrows, R, k_cache, slots + lo, shared_hi - lo, vecs, scale, scores + lo, max_keys, pairs,
+                       token_bytes);
     else for (int64_t j = lo; j < shared_hi; j += 8) {
         const int64_t nk = shared_hi - j < 8 ? shared_hi - j : 8;
         const float *k[8];
         for (int64_t i = 0; i < 8; i++) k[i] = k_cache + slots[j + (i < nk ? i : 0)];
+        for (int64_t i = j + PREFETCH_KEYS; i < j + PREFETCH_KEYS + 8 && i < shared_hi; i++)
+            if (token_bytes) prefetch_token(k_cache + slots[i], token_bytes);
+            else prefetch_row(k_cache + slots[i], vecs * 32);
         score_keys(qrows, R, k, nk, vecs, scale, scores + j, max_keys);
     }
     for (int64_t t = t0; t < t1; t++) {
@@ -293,9 +325,11 @@ static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t 
     }
     /* 3. weighted values */
     if (use_avx512 > 0 && D % 16 == 0)
-        value_pass16(R, G, t0, D, scores, max_keys, dense, extra_ptr, slots, own_at, shared, lo, hi, v_cache, acc);
+        value_pass16(R, G, t0, D, scores, max_keys, dense, extra_ptr, slots, own_at, shared, lo, hi, v_cache, acc,
+                     token_bytes);
     else
-        value_pass8(R, G, t0, D, scores, max_keys, dense, extra_ptr, slots, own_at, shared, lo, hi, v_cache, acc);
+        value_pass8(R, G, t0, D, scores, max_keys, dense, extra_ptr, slots, own_at, shared, lo, hi, v_cache, acc,
+                    token_bytes);
     for (int64_t t = t0; t < t1; t++)
         for (int64_t g = 0; g < G; g++) {
             const int64_t r = (t - t0) * G + g, row = t * Hq + h * G + g;
@@ -390,6 +424,7 @@ int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int
         for (int64_t i = 0; i < T * Hq * NP; i++) part_m[i] = -INFINITY, part_l[i] = 0.0f;
     }
     int failed = 0;
+    const int64_t chunk = Hkv > 1 && num_tasks >= (int64_t)threads * Hkv ? Hkv : 1;
 #pragma omp parallel num_threads(threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)(rows * max_keys + 8));
@@ -400,7 +435,9 @@ int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
+        /* a thread takes a partition's KV heads in turn where there are tasks enough for every
+         * thread (the cache then read in order); each head a task of its own otherwise */
+#pragma omp for schedule(dynamic, chunk)
         for (int64_t i = 0; i < num_tasks; i++) {
             if (!scores || !acc || !slots || !pairs) continue;
             const int64_t h = i % Hkv, slot = i / Hkv;
@@ -412,7 +449,7 @@ int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int
                          block_size, block_tables + b * max_blocks, dense, extra_ptr, extra_pos,
                          max_keys, scale, out, scores, acc, slots, pairs,
                          np > 1 ? part * PARTITION : 0, np > 1 ? (part + 1) * PARTITION : INT64_MAX,
-                         np > 1 ? part_m : NULL, part_l, part_acc, part, NP);
+                         np > 1 ? part_m : NULL, part_l, part_acc, part, NP, chunk > 1);
         }
         free(scores);
         free(acc);

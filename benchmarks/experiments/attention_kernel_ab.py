@@ -1,0 +1,107 @@
+"""Two builds of the CPU paged-attention kernel (specserve/kernels/cpu/paged_attention.c) side
+by side in whole engines: this checkout's, and the one in another folder (--base: a folder with
+paged_attention.c and the headers it includes, e.g. `git show REV:specserve/kernels/cpu/...`).
+Every engine's decoder binds the kernel it was built with, so one process runs both.
+
+  - bench load's closed loop (held-out prompts, prefix caching off, every engine's steps
+    interleaved) for plain decoding and the default (EAGLE) at each --levels CONCURRENCY:REQUESTS;
+  - with --long N ..., one request at a time over prompts of N tokens (held-out prompts joined),
+    3 each (--long-requests), --max-tokens decoded whatever comes (decode tok/s);
+  - with --agentic, the held-out agentic conversations at batch 1 (contexts of 1-4k tokens),
+    plain decoding and suffix decoding on each build, turn by turn.
+
+Outputs are compared with this build's plain decoding (0 mismatches expected: the builds must
+give the same bits).
+
+    python benchmarks/experiments/attention_kernel_ab.py --base /tmp/base [--levels 1:16 4:24 16:32]
+        [--long 1000 2000 4000] [--agentic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def engine_with(lib, **kwargs):
+    """An LLM whose decoder (and every call of the module's kernel while it is built) uses lib."""
+    from specserve import LLM
+    from specserve.kernels.cpu import cpu_attention
+
+    kernel = cpu_attention._kernel
+    mine, picked = kernel._loaded, cpu_attention._picked
+    kernel._loaded, cpu_attention._picked = lib, False
+    try:
+        return LLM(None, **kwargs)
+    finally:
+        kernel._loaded, cpu_attention._picked = mine, picked
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base", required=True, type=Path, help="a folder holding the other paged_attention.c")
+    p.add_argument("--levels", nargs="*", default=["1:16", "4:24", "16:32"], help="CONCURRENCY:REQUESTS")
+    p.add_argument("--long", nargs="*", type=int, default=[], help="prompt lengths for one request")
+    p.add_argument("--long-requests", type=int, default=3, help="prompts per --long length")
+    p.add_argument("--agentic", action="store_true", help="also the agentic conversations at batch 1")
+    p.add_argument("--max-tokens", type=int, default=128)
+    args = p.parse_args()
+
+    from benchmarks._runner import ab_level, levels
+    from specserve import SamplingParams
+    from specserve.bench.load import encode, load_prompts, warm_up
+    from specserve.bench.spec import Tally, _run_turn
+    from specserve.kernels.cpu import cbuild, cpu_attention
+
+    base = ctypes.CDLL(str(cbuild.build(args.base / "paged_attention.c")))
+    cpu_attention._declare(base)
+    this = cpu_attention._kernel.lib
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    long_params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    pairs = levels(args.levels)
+    if pairs or args.long:
+        room = max([2048] + [n + args.max_tokens + 8 for n in args.long])
+        common = dict(max_num_seqs=max([1] + [c for c, _ in pairs]), max_model_len=room, enable_prefix_caching=False)
+        engines = {f"{name}-{which}": engine_with(lib, speculative_config=config, **common)
+                   for name, config in (("plain", None), ("eagle", {"method": "eagle"}))
+                   for which, lib in (("base", base), ("this", this))}
+        ids = encode(engines["plain-this"], load_prompts("heldout"), args.max_tokens, 2048)
+        warm_up(engines, common["max_num_seqs"], params)
+        for c, n in pairs:
+            ab_level(engines, ids, c, n, params, "plain-base", "plain-this")
+        joined = [t for one in ids for t in one]
+        joined *= 1 + (max(args.long, default=0) + 200) // len(joined)
+        order = {"none": engines["plain-this"], **{m: e for m, e in engines.items() if m != "plain-this"}}
+        for n in args.long:
+            tallies = {m: Tally() for m in order}
+            for i in range(args.long_requests):
+                _run_turn(order, tallies, joined[i * 97:i * 97 + n], long_params)
+            plain = tallies["plain-base"].decode_tps
+            print(f"prompts of {n} tokens, one request, decode tok/s: " + "  ".join(
+                f"{m} {t.decode_tps:.1f} ({t.decode_tps / plain:.3f}; {t.accepted}/{t.drafts} accepted; "
+                f"{t.mismatches} mismatches)"
+                for m, t in tallies.items()), flush=True)
+        del engines
+    if args.agentic:
+        from specserve.bench.spec import load_conversations, run_conversations
+
+        common = dict(max_model_len=4096)
+        engines = {"none": engine_with(this, speculative_config=None, **common),
+                   "none-base": engine_with(base, speculative_config=None, **common),
+                   "suffix": engine_with(this, speculative_config={"method": "suffix"}, **common),
+                   "suffix-base": engine_with(base, speculative_config={"method": "suffix"}, **common)}
+        tallies = {name: Tally() for name in engines}
+        run_conversations(engines, load_conversations("heldout"), lambda conv: tallies, params,
+                          4096 - args.max_tokens - 8)
+        plain = tallies["none-base"].decode_tps
+        print("agentic, held-out, batch 1 (decode tok/s, over the base build's plain decoding):")
+        for name, t in tallies.items():
+            print(f"  {name:12s} {t.decode_tps:6.1f} tok/s ({t.decode_tps / plain:.2f}x)  mismatches {t.mismatches}")
+
+
+if __name__ == "__main__":
+    main()
