@@ -3,6 +3,9 @@ by side in whole engines: this checkout's, and the one in another folder (--base
 paged_attention.c and the headers it includes, e.g. `git show REV:specserve/kernels/cpu/...`).
 Every engine's decoder binds the kernel it was built with, so one process runs both.
 
+  - with --kernel, the kernel alone: 30 layers' calls (each its own cache, as a step reads them
+    from memory) at a few batches, contexts and rows, the builds alternating, best of 7, the
+    default model's heads (9 query, 3 KV, 64 wide) and the bits compared;
   - bench load's closed loop (held-out prompts, prefix caching off, every engine's steps
     interleaved) for plain decoding and the default (EAGLE) at each --levels CONCURRENCY:REQUESTS;
   - with --long N ..., one request at a time over prompts of N tokens (held-out prompts joined),
@@ -14,7 +17,7 @@ Outputs are compared with this build's plain decoding (0 mismatches expected: th
 give the same bits).
 
     python benchmarks/experiments/attention_kernel_ab.py --base /tmp/base [--levels 1:16 4:24 16:32]
-        [--long 1000 2000 4000] [--agentic]
+        [--long 1000 2000 4000] [--agentic] [--kernel]
 """
 
 from __future__ import annotations
@@ -41,6 +44,47 @@ def engine_with(lib, **kwargs):
         kernel._loaded, cpu_attention._picked = mine, picked
 
 
+KERNEL_CASES = [(1, 500, 1), (1, 1000, 1), (1, 2000, 1), (1, 4000, 1), (1, 2000, 3), (1, 2000, 8),
+                (4, 1000, 1), (16, 600, 1), (16, 600, 3), (64, 300, 1)]  # (requests, keys, rows each)
+
+
+def kernel_ab(libs: dict) -> None:
+    """The kernel alone, each build in turn (libs: name -> loaded library), per KERNEL_CASES."""
+    import time
+
+    import torch
+
+    from specserve.kernels.cpu import cpu_attention
+
+    kernel, mine = cpu_attention._kernel, cpu_attention._kernel._loaded
+    heads, kv_heads, dim, layers, block = 9, 3, 64, 30, 16
+    names = list(libs)
+    print(f"the kernel alone, {layers} layers' calls, ms (best of 7): " + " / ".join(names))
+    for b, keys, rows in KERNEL_CASES:
+        per = (keys + rows) // block + 1
+        k_caches = torch.randn(layers, b * per, block, kv_heads, dim)
+        v_caches = torch.randn(layers, b * per, block, kv_heads, dim)
+        q = torch.randn(b * rows, heads, dim)
+        rest = (torch.arange(b * per).view(b, per), torch.arange(b + 1) * rows,
+                torch.arange(keys + 1, keys + rows + 1).repeat(b), torch.zeros(b * rows + 1, dtype=torch.int64),
+                torch.zeros(0, dtype=torch.int64), keys + rows, dim ** -0.5)
+        best, outs = dict.fromkeys(names, float("inf")), {}
+        try:
+            for _ in range(7):
+                for name in names:
+                    kernel._loaded = libs[name]
+                    start = time.perf_counter()
+                    for i in range(layers):
+                        outs[name] = cpu_attention.paged_attention(q, k_caches[i], v_caches[i], *rest)
+                    best[name] = min(best[name], time.perf_counter() - start)
+        finally:
+            kernel._loaded = mine
+        same = all(torch.equal(outs[names[0]], o) for o in outs.values())
+        print(f"  {b:3d} requests x {keys:5d} keys, {rows} rows: "
+              + " / ".join(f"{best[n] * 1e3:6.2f}" for n in names)
+              + f"  ({best[names[0]] / best[names[-1]]:.2f}x)  same bits: {same}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, type=Path, help="a folder holding the other paged_attention.c")
@@ -48,6 +92,7 @@ def main() -> None:
     p.add_argument("--long", nargs="*", type=int, default=[], help="prompt lengths for one request")
     p.add_argument("--long-requests", type=int, default=3, help="prompts per --long length")
     p.add_argument("--agentic", action="store_true", help="also the agentic conversations at batch 1")
+    p.add_argument("--kernel", action="store_true", help="also the kernel alone")
     p.add_argument("--max-tokens", type=int, default=128)
     args = p.parse_args()
 
@@ -60,6 +105,10 @@ def main() -> None:
     base = ctypes.CDLL(str(cbuild.build(args.base / "paged_attention.c")))
     cpu_attention._declare(base)
     this = cpu_attention._kernel.lib
+    cpu_attention.kernel_address(9, 3, 64)  # this build's AVX-512 choice, made for the base build too
+    base.paged_attention_wide(int(cpu_attention.wide()))
+    if args.kernel:
+        kernel_ab({"base": base, "this": this})
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     long_params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     pairs = levels(args.levels)

@@ -278,8 +278,11 @@ static void one_task(int64_t t0, int64_t t1, int64_t h, const float *q, int64_t 
     /* slots[0 .. shared - 1]: the shared keys; then, per token, the slots of its own keys */
     int64_t own_at[MAX_ROWS + 1];
     own_at[0] = shared;
-    for (int64_t j = lo; j < shared_hi; j++)
-        slots[j] = ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
+    for (int64_t j = lo; j < shared_hi;) { /* block by block: no division per key */
+        const int64_t blk = j / block_size, end = (blk + 1) * block_size < shared_hi ? (blk + 1) * block_size : shared_hi;
+        for (int64_t at = (table[blk] * block_size + j - blk * block_size) * Hkv + h; j < end; j++, at += Hkv)
+            slots[j] = at * D;
+    }
 #define SLOT(pos) (((table[(pos) / block_size] * block_size + (pos) % block_size) * Hkv + h) * D)
 #define POS(t, j) ((j) < dense[t] ? (j) : extra_pos[extra_ptr[t] + (j) - dense[t]])
     for (int64_t t = t0; t < t1; t++) {
