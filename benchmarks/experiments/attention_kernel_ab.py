@@ -44,8 +44,9 @@ def engine_with(lib, **kwargs):
         kernel._loaded, cpu_attention._picked = mine, picked
 
 
-KERNEL_CASES = [(1, 500, 1), (1, 1000, 1), (1, 2000, 1), (1, 4000, 1), (1, 2000, 3), (1, 2000, 8),
-                (4, 1000, 1), (16, 600, 1), (16, 600, 3), (64, 300, 1)]  # (requests, keys, rows each)
+KERNEL_CASES = [(1, 300, 1), (1, 300, 4), (1, 500, 1), (1, 500, 4), (1, 700, 1), (1, 1000, 1), (1, 2000, 1),
+                (1, 4000, 1), (1, 2000, 3), (1, 2000, 8), (4, 1000, 1), (16, 600, 1), (16, 600, 3),
+                (64, 300, 1)]  # (requests, keys, rows each)
 
 
 def kernel_ab(libs: dict) -> None:
