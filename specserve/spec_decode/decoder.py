@@ -47,11 +47,13 @@ class SpecDecoder:
         self.proposer, self.lookup = proposer, lookup
         self.policy = policy or SpecPolicy(None, 1, adaptive=False)
         self.max_drafts = max_drafts if (proposer or lookup) else 0
+        # a model drafts (EAGLE, medusa, a draft model): gated per request, its cost measured
+        self._model_drafts = bool(getattr(proposer, "costs_per_request", False))
         # steps with the lookup chains alone are a kind of their own (Realized's LOOKUP_ONLY)
         # where a proposer with a cost per request drafts beside them
-        self._fallback = lookup is not None and getattr(proposer, "costs_per_request", False)
+        self._fallback = lookup is not None and self._model_drafts
         # prompt lookup alone or suffix decoding: no drafting step costs model time
-        self.policy.realized.free = frozenset([SPEC] if not getattr(proposer, "costs_per_request", False) else [])
+        self.policy.realized.free = frozenset() if self._model_drafts else frozenset([SPEC])
         self.states: dict[str, RequestState] = {}
         self._gate_seen: set[str] = set()  # requests the speculation gate has counted (Realized.new_requests)
         self._num_drafted = 1  # requests the proposer drafted for last step (its cost share)
@@ -325,7 +327,7 @@ class SpecDecoder:
         (and probes: `drafted` with the gate off). A proposer whose drafts cost no model time
         (suffix decoding) drafts for every request like prompt lookup, and its trees' first
         paths are valued like lookup chains, by each request's own acceptance by depth."""
-        free = not getattr(self.proposer, "costs_per_request", True)
+        free = not self._model_drafts
         chosen = list(range(len(states))) if free else [
             j for j, s in enumerate(states)
             if self.policy.draft_pays(s, batch, self._num_drafted, len(chains[j]) if chains else 0)]
