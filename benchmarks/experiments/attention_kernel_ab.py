@@ -10,8 +10,8 @@ Every engine's decoder binds the kernel it was built with, so one process runs b
     interleaved) for plain decoding and the default (EAGLE) at each --levels CONCURRENCY:REQUESTS;
   - with --long N ..., one request at a time over prompts of N tokens (held-out prompts joined),
     3 each (--long-requests), --max-tokens decoded whatever comes (decode tok/s);
-  - with --agentic, the held-out agentic conversations at batch 1 (contexts of 1-4k tokens),
-    plain decoding and suffix decoding on each build, turn by turn.
+  - with --agentic, the held-out agentic conversations at batch 1 (a few hundred tokens of
+    context), plain decoding and suffix decoding on each build, turn by turn.
 
 Outputs are compared with this build's plain decoding (0 mismatches expected: the builds must
 give the same bits).
@@ -23,6 +23,7 @@ give the same bits).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import sys
 from pathlib import Path
@@ -30,18 +31,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def engine_with(lib, **kwargs):
-    """An LLM whose decoder (and every call of the module's kernel while it is built) uses lib."""
-    from specserve import LLM
+@contextlib.contextmanager
+def kernel_build(lib, pick: bool = False):
+    """Within: the module's kernel calls (and a decoder built meanwhile, which keeps it) go to
+    lib; with pick, its AVX-512 choice is measured again at the first call (as at a start)."""
     from specserve.kernels.cpu import cpu_attention
 
     kernel = cpu_attention._kernel
     mine, picked = kernel._loaded, cpu_attention._picked
-    kernel._loaded, cpu_attention._picked = lib, False
+    kernel._loaded = lib
+    if pick:
+        cpu_attention._picked = False
     try:
-        return LLM(None, **kwargs)
+        yield
     finally:
         kernel._loaded, cpu_attention._picked = mine, picked
+
+
+def engine_with(lib, **kwargs):
+    """An LLM whose decoder uses lib."""
+    from specserve import LLM
+
+    with kernel_build(lib, pick=True):
+        return LLM(None, **kwargs)
 
 
 KERNEL_CASES = [(1, 300, 1), (1, 300, 4), (1, 500, 1), (1, 500, 4), (1, 700, 1), (1, 1000, 1), (1, 2000, 1),
@@ -57,7 +69,6 @@ def kernel_ab(libs: dict) -> None:
 
     from specserve.kernels.cpu import cpu_attention
 
-    kernel, mine = cpu_attention._kernel, cpu_attention._kernel._loaded
     heads, kv_heads, dim, layers, block = 9, 3, 64, 30, 16
     names = list(libs)
     print(f"the kernel alone, {layers} layers' calls, ms (best of 7): " + " / ".join(names))
@@ -70,20 +81,38 @@ def kernel_ab(libs: dict) -> None:
                 torch.arange(keys + 1, keys + rows + 1).repeat(b), torch.zeros(b * rows + 1, dtype=torch.int64),
                 torch.zeros(0, dtype=torch.int64), keys + rows, dim ** -0.5)
         best, outs = dict.fromkeys(names, float("inf")), {}
-        try:
-            for _ in range(7):
-                for name in names:
-                    kernel._loaded = libs[name]
+        for _ in range(7):
+            for name in names:
+                with kernel_build(libs[name]):
                     start = time.perf_counter()
                     for i in range(layers):
                         outs[name] = cpu_attention.paged_attention(q, k_caches[i], v_caches[i], *rest)
                     best[name] = min(best[name], time.perf_counter() - start)
-        finally:
-            kernel._loaded = mine
         same = all(torch.equal(outs[names[0]], o) for o in outs.values())
         print(f"  {b:3d} requests x {keys:5d} keys, {rows} rows: "
               + " / ".join(f"{best[n] * 1e3:6.2f}" for n in names)
               + f"  ({best[names[0]] / best[names[-1]]:.2f}x)  same bits: {same}", flush=True)
+
+
+def long_contexts(engines: dict, ids: list[list[int]], args) -> None:
+    """--long: one request at a time over prompts of each length (the held-out prompts joined),
+    every engine in turn, --max-tokens decoded (end of text ignored); decode tok/s over the
+    base build's plain decoding, outputs against this build's."""
+    from specserve import SamplingParams
+    from specserve.bench.spec import Tally, _run_turn
+
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    joined = [t for one in ids for t in one]
+    joined *= 1 + (max(args.long, default=0) + 200) // len(joined)
+    order = {"none": engines["plain-this"], **{m: e for m, e in engines.items() if m != "plain-this"}}
+    for n in args.long:
+        tallies = {m: Tally() for m in order}
+        for i in range(args.long_requests):
+            _run_turn(order, tallies, joined[i * 97:i * 97 + n], params)
+        plain = tallies["plain-base"].decode_tps
+        print(f"prompts of {n} tokens, one request, decode tok/s: " + "  ".join(
+            f"{m} {t.decode_tps:.1f} ({t.decode_tps / plain:.3f}; {t.accepted} tokens accepted over {t.drafts} "
+            f"drafts; {t.mismatches} mismatches)" for m, t in tallies.items()), flush=True)
 
 
 def main() -> None:
@@ -100,7 +129,6 @@ def main() -> None:
     from benchmarks._runner import ab_level, levels
     from specserve import SamplingParams
     from specserve.bench.load import encode, load_prompts, warm_up
-    from specserve.bench.spec import Tally, _run_turn
     from specserve.kernels.cpu import cbuild, cpu_attention
 
     base = ctypes.CDLL(str(cbuild.build(args.base / "paged_attention.c")))
@@ -111,7 +139,6 @@ def main() -> None:
     if args.kernel:
         kernel_ab({"base": base, "this": this})
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    long_params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     pairs = levels(args.levels)
     if pairs or args.long:
         room = max([2048] + [n + args.max_tokens + 8 for n in args.long])
@@ -123,21 +150,10 @@ def main() -> None:
         warm_up(engines, common["max_num_seqs"], params)
         for c, n in pairs:
             ab_level(engines, ids, c, n, params, "plain-base", "plain-this")
-        joined = [t for one in ids for t in one]
-        joined *= 1 + (max(args.long, default=0) + 200) // len(joined)
-        order = {"none": engines["plain-this"], **{m: e for m, e in engines.items() if m != "plain-this"}}
-        for n in args.long:
-            tallies = {m: Tally() for m in order}
-            for i in range(args.long_requests):
-                _run_turn(order, tallies, joined[i * 97:i * 97 + n], long_params)
-            plain = tallies["plain-base"].decode_tps
-            print(f"prompts of {n} tokens, one request, decode tok/s: " + "  ".join(
-                f"{m} {t.decode_tps:.1f} ({t.decode_tps / plain:.3f}; {t.accepted}/{t.drafts} accepted; "
-                f"{t.mismatches} mismatches)"
-                for m, t in tallies.items()), flush=True)
+        long_contexts(engines, ids, args)
         del engines
     if args.agentic:
-        from specserve.bench.spec import load_conversations, run_conversations
+        from specserve.bench.spec import Tally, load_conversations, run_conversations
 
         common = dict(max_model_len=4096)
         engines = {"none": engine_with(this, speculative_config=None, **common),
