@@ -269,6 +269,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_t: torch.Tensor | None = None  # see finalize_weights
         self.invariant_rows = 0  # CPU, --batch-invariant: the most rows of a product's call (use_invariant_call_rows)
         self.lm_head_kernel = None  # the LM head through our CPU kernel: see quantize_int8, finalize_weights
+        self.argmax_head = None  # greedy rows' LM head (cpu_linear.ArgmaxHead): see finalize_weights
         # decoder layers whose outputs (the residual stream after them) the forward also returns,
         # after the final hidden states: an EAGLE-3 head's fused features (spec_decode/eagle.py)
         self.aux_layers: tuple[int, ...] = ()
@@ -302,8 +303,18 @@ class LlamaForCausalLM(nn.Module):
         final = self.norm.add(x, residual)[0]
         return torch.cat([final, *aux], -1) if aux else final
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] float32."""
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: list[bool] | None = None) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32. argmax_only: per row, whether its argmax is
+        all that is read of it (greedy, nothing changing its logits, no logprobs); such rows go
+        through `argmax_head` where there is one: the same argmax, the other values close."""
+        if self.argmax_head is not None and argmax_only is not None and any(argmax_only):
+            if all(argmax_only):
+                return self.argmax_head(hidden)
+            pick = torch.tensor(argmax_only)
+            out = torch.empty(hidden.shape[0], self.argmax_head.out_features)
+            out[pick] = self.argmax_head(hidden[pick])
+            out[~pick] = self.lm_head_kernel(hidden[~pick])
+            return out
         if self.lm_head_kernel is not None:
             return self.lm_head_kernel(hidden).float()  # Int8Linear answers in the model's dtype
         if self.lm_head_t is not None:
@@ -410,6 +421,8 @@ class LlamaForCausalLM(nn.Module):
             layers = self._pack_products(cpu_linear.pack_float32)
             if self.lm_head_kernel.format != "f32":  # GGUF blocks: AVX-512 or AVX2, as measured here
                 pick_wide_blocks(layers)
+            if self.lm_head_kernel.format == "q8_0" and cpu_linear.a8_available():
+                self.argmax_head = cpu_linear.ArgmaxHead(self.lm_head_kernel, weight)
         self.lm_head_t = weight.t().contiguous() if f32 and self.lm_head_kernel is None else None
         for module in self.modules():
             if isinstance(module, Linear):

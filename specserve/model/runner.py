@@ -182,7 +182,7 @@ class ModelRunner:
                 tree_parents: list[list[int] | None] | None = None) -> StepLogits:
         ids: list[int] = []
         positions: list[int] = []
-        seq_lens, row_start, num_rows, row_index = [], [], [], []
+        seq_lens, row_start, num_rows, row_index, argmax_only = [], [], [], [], []
         for req, n, k in zip(sched.requests, sched.num_tokens, sched.num_drafts):
             start, committed = req.num_computed_tokens, req.num_tokens
             ids += req.all_token_ids[start:min(start + n, committed)]  # slices, not a copy of all
@@ -194,13 +194,14 @@ class ModelRunner:
                 row_start.append(len(row_index))
                 num_rows.append(k + 1)
                 row_index += range(len(ids) - k - 1, len(ids))
+                argmax_only += [argmax_is_all(req.params)] * (k + 1)
             else:
                 row_start.append(-1)
                 num_rows.append(0)
         if tree_parents is not None:  # tree nodes sit at prefix + depth, not prefix + index
             positions = tree_mask.tree_positions(positions, sched.num_tokens, tree_parents)
         step = (ids, positions, seq_lens, list(sched.num_tokens), [r.block_ids for r in sched.requests],
-                tree_parents, row_index)
+                tree_parents, row_index, argmax_only)
         # tensor parallel: every worker runs the same forward on these inputs (model/tp_worker.py)
         every, hidden, logits = self.forward(*step) if self.tp is None else self.tp.run("forward", self.forward, step)
         for hook in self.hidden_hooks:
@@ -220,10 +221,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, ids: list[int], positions: list[int], seq_lens: list[int], query_lens: list[int],
-                block_tables: list[list[int]], tree_parents, row_index: list[int]):
+                block_tables: list[list[int]], tree_parents, row_index: list[int],
+                argmax_only: list[bool] | None = None):
         """The model's part of a step -> (final hidden states of every token [T, hidden], of the
         rows to sample [R, hidden], their logits [R, V] float32: None on a tensor-parallel
-        worker, whose slice of the vocabulary goes to rank 0)."""
+        worker, whose slice of the vocabulary goes to rank 0). argmax_only: per row to sample,
+        whether its argmax is all anyone reads of its logits (`argmax_is_all`)."""
         every = None if self.steps is None else self.steps.forward(
             ids, positions, seq_lens, query_lens, block_tables, tree_parents)
         if every is None:  # the eager path
@@ -234,7 +237,7 @@ class ModelRunner:
         final = every[:, :self.arch.hidden_size] if self.model.aux_layers else every
         hidden = (final.contiguous() if len(row_index) == len(ids)
                   else final.index_select(0, int_tensor(row_index, self.device)))
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, argmax_only if self.tp is None else None)
         return every, hidden, logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
@@ -253,6 +256,13 @@ class ModelRunner:
 
         slots = int_tensor([src, dst], self.device)
         compact_kv(self.k_cache, self.v_cache, slots[0], slots[1])
+
+
+def argmax_is_all(params) -> bool:
+    """Whether a request's sampling reads nothing of a row's logits but its argmax: greedy,
+    no penalties, no grammar, logit_bias or min_tokens, no logprobs (the model's LM head may
+    then compute the rest of the row approximately: LlamaForCausalLM.argmax_head)."""
+    return params.greedy and not params.has_penalties and not params.constrained and params.logprobs is None
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:

@@ -21,7 +21,9 @@
  * since lanes still hold columns.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 64 /* columns per block: 8 vectors of 8 floats */
@@ -535,3 +537,132 @@ LINEAR(int8_linear, I8)
 LINEAR(f32_linear, F32)
 LINEAR(q4_1_linear, Q4_1)
 LINEAR(q8_0_linear, Q8_0)
+
+/* Greedy rows of an LM head in Q8_0 blocks, at a fraction of its multiply-adds: `y` [R, N]
+ * (row stride ldy) comes in holding a8_linear.c's product of the same blocks (each row of x
+ * quantized to int8 per block of QK values, scale dx = max |x| / 127), and leaves with every
+ * block of BLOCK columns that may hold a row's largest exact value rewritten with its exact
+ * products, as q8_0_linear computes them (the same tiles, one row: the same bits). What is
+ * left approximate is strictly below the row's largest exact value, so the row's argmax (the
+ * first largest) is the one of q8_0_linear's full product.
+ *
+ * Why: with w[n, k] = d * q exactly, the exact sum and the approximation differ by at most
+ *     E[n] = sum over blocks b of (dx[b] / 2 + rounding) * A[n, b],   A[n, b] = sum_{k in b} |w[n, k]|
+ * (the activations' rounding to int8 is at most dx / 2 a value; the float32 roundings of both
+ * sums, at most (K + 2 * K / QK + 2) units in the last place of sum |x| |w| <= 127 dx A, come
+ * to 0.005 dx A at K = 576: `coef` = 0.52 covers both for K up to ~2,000 with a margin).
+ * So column n can hold the largest exact value only where y[n] + E[n] >= max over m of
+ * (y[m] - E[m]). A cheap first test uses c * L[n] >= E[n] (c = coef * max_b dx[b], L the
+ * column's sum of |w|); only the columns that pass it get their E. A row with a value that is
+ * not finite (in x or y) is computed exactly in full. At = A transposed ([N, K / QK]). */
+static inline float hmax8(__m256 v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+static void argmax_row(const float *x, int64_t K, const uint8_t *packed, int64_t N, const float *L,
+                       const float *At, float coef, float *y, int32_t *kept, float *dx, uint8_t *mark) {
+    const int64_t nb = K / QK, blocks = (N + BLOCK - 1) / BLOCK, sb = strip_bytes(Q8_0, K);
+    int finite = 1;
+    float dmax = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        float amax = 0.0f;
+        for (int k = 0; k < QK; k++) {
+            float v = x[b * QK + k];
+            finite &= v - v == 0.0f;
+            amax = fabsf(v) > amax ? fabsf(v) : amax;
+        }
+        dx[b] = amax / 127.0f; /* the scale a8_linear.c's quantize_row gives the block */
+        dmax = dx[b] > dmax ? dx[b] : dmax;
+    }
+    /* the row's largest value (NaN where one is not finite: v - v), then its first column */
+    __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+    int64_t n = 0;
+    for (; n + 8 <= N; n += 8) {
+        __m256 v = _mm256_loadu_ps(y + n);
+        vmax = _mm256_max_ps(vmax, v);
+        vnan = _mm256_add_ps(vnan, _mm256_sub_ps(v, v));
+    }
+    float ymax = hmax8(vmax), nan = hsum8(vnan);
+    for (; n < N; n++) {
+        ymax = y[n] > ymax ? y[n] : ymax;
+        nan += y[n] - y[n];
+    }
+    finite &= nan == 0.0f;
+    int64_t top = 0;
+    while (finite && top < N - 1 && y[top] != ymax) top++;
+    memset(mark, !finite, blocks);
+    if (finite) {
+#define E_OF(n) ({ float e_ = 0.0f; const float *a_ = At + (n) * nb; \
+                   for (int64_t b_ = 0; b_ < nb; b_++) e_ += dx[b_] * a_[b_]; coef * e_; })
+        float best = y[top] - E_OF(top); /* a lower bound of the row's largest exact value */
+        const float c = coef * dmax * 1.0001f;
+        int64_t count = 0;
+        const __m256 vbest = _mm256_set1_ps(best), vc = _mm256_set1_ps(c);
+        for (int64_t n0 = 0; n0 < N; n0 += 8) {
+            int bits = 0xFF;
+            if (n0 + 8 <= N) {
+                __m256 ub = _mm256_add_ps(_mm256_loadu_ps(y + n0), _mm256_mul_ps(vc, _mm256_loadu_ps(L + n0)));
+                bits = _mm256_movemask_ps(_mm256_cmp_ps(ub, vbest, _CMP_GE_OQ));
+            }
+            for (; bits; bits &= bits - 1) {
+                int64_t n = n0 + __builtin_ctz(bits);
+                if (n >= N || y[n] + c * L[n] < best) continue;
+                float e = E_OF(n);
+                if (y[n] + e < best) continue;
+                if (y[n] - e > best) best = y[n] - e;
+                kept[count++] = (int32_t)n;
+            }
+        }
+        for (int64_t i = 0; i < count; i++) {
+            int64_t n = kept[i];
+            if (y[n] + E_OF(n) >= best) mark[n / BLOCK] = 1;
+        }
+#undef E_OF
+    }
+    for (int64_t b = 0; b < blocks; b++)
+        if (mark[b]) block_rows_Q8_0(x, 1, K, K, packed + b * (BLOCK / 8) * sb, NULL, NULL, b * BLOCK, N, y, N);
+}
+
+/* A thread's scratch for argmax_row, kept between calls (a head's N and K do not change). */
+static __thread int32_t *kept_buf;
+static __thread float *dx_buf;
+static __thread uint8_t *mark_buf;
+static __thread int64_t kept_cap, dx_cap, mark_cap;
+static int grow(void **buf, int64_t *cap, int64_t want, size_t size) {
+    if (*cap >= want) return 1;
+    void *p = realloc(*buf, want * size);
+    if (!p) return 0;
+    *buf = p;
+    *cap = want;
+    return 1;
+}
+
+/* argmax_row for R rows of x (row stride ldx) and y (row stride ldy); returns the number of
+ * blocks computed exactly (-1: out of memory). */
+int64_t q8_0_argmax_head(const float *x, int64_t R, int64_t K, int64_t ldx, const uint8_t *packed, int64_t N,
+                         const float *L, const float *At, float coef, float *y, int64_t ldy, int threads) {
+    if (use_avx512 < 0) cpu_linear_wide(-1);
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+    int64_t exact = 0, failed = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : exact, failed) if (R > 1)
+    {
+        int ok = grow((void **)&kept_buf, &kept_cap, N, sizeof(int32_t)) &&
+                 grow((void **)&dx_buf, &dx_cap, K / QK, sizeof(float)) &&
+                 grow((void **)&mark_buf, &mark_cap, blocks, 1);
+        failed += !ok;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < R; r++) {
+            if (!ok) continue;
+            argmax_row(x + r * ldx, K, packed, N, L, At, coef, y + r * ldy, kept_buf, dx_buf, mark_buf);
+            for (int64_t b = 0; b < blocks; b++) exact += mark_buf[b];
+        }
+    }
+    return failed ? -1 : exact;
+}

@@ -51,6 +51,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cpu_linear_wide.restype = ctypes.c_int
     lib.cpu_linear_direct_rows.argtypes = [ctypes.c_int]
     lib.cpu_linear_direct_rows.restype = ctypes.c_int
+    lib.q8_0_argmax_head.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, i64, ctypes.c_int]
+    lib.q8_0_argmax_head.restype = i64
     # the emulated AVX2 machine (docs/benchmarks.md) keeps our kernels to AVX2 as well
     if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
         lib.cpu_linear_wide(0)
@@ -332,3 +334,46 @@ class PackedA8(_Packed):
         self.format = fmt
         super().__init__(packed, shape, None, bias, getattr(_a8_kernel.lib, f"{fmt}_a8_linear"))
 
+
+
+class ArgmaxHead:
+    """An LM head in Q8_0 blocks for rows whose only use is their argmax (greedy decoding and
+    verification with nothing changing the logits): the int8-activation product (`pack_a8`,
+    2-3x fewer instructions), then, per row, the exact float32 products of only the blocks of
+    64 columns that may hold the row's largest value (cpu_linear.c, q8_0_argmax_head: a
+    per-column bound on the approximation's error decides which). The row's argmax is then
+    exactly that of the full float32 product (`exact`'s, bit for bit where computed); its other
+    values are the approximation's, below the largest, and not for any other use (logprobs,
+    sampling, penalties, grammars take `exact`). `exact_blocks` counts the blocks computed
+    exactly, for benchmarks."""
+
+    def __init__(self, exact: PackedFloat32, weight: torch.Tensor) -> None:
+        if exact.format != "q8_0":
+            raise ValueError(f"ArgmaxHead: a head in Q8_0 blocks, not {exact.format}")
+        w = weight.detach().cpu().float()
+        n, k = w.shape
+        self.exact, self.approx = exact, pack_a8(w, None)
+        if self.approx.format != "q8_0":
+            raise ValueError("ArgmaxHead: the int8-activation product of the same Q8_0 blocks")
+        self.in_features, self.out_features = k, n
+        per_block = w.abs().view(n, k // QK, QK).sum(-1, dtype=torch.float64)  # exact: d * integers
+        self.bounds = per_block.float().contiguous()  # [N, K / QK]
+        self.norms = per_block.sum(-1).float().contiguous()  # [N]: sum |w| of a column
+        # dx / 2 for rounding x to int8, plus both products' float32 roundings, with 2x margin
+        self.coef = 0.501 + 2 * (k + 2 * k // QK + 4) * 2.0 ** -24 * 128
+        self.exact_blocks = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.float().contiguous()
+        y = self.approx(rows)
+        if rows.shape[0]:
+            done = _kernel.lib.q8_0_argmax_head(
+                rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0), self.exact.packed.data_ptr(),
+                self.out_features, self.norms.data_ptr(), self.bounds.data_ptr(), ctypes.c_float(self.coef),
+                y.data_ptr(), self.out_features, torch.get_num_threads())
+            if done < 0:
+                raise MemoryError(f"argmax head: no memory for {rows.shape[0]} rows")
+            self.exact_blocks += done
+        return y.view(*x.shape[:-1], self.out_features)
