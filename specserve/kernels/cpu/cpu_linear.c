@@ -566,11 +566,12 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-static void argmax_row(const float *x, int64_t K, const uint8_t *packed, int64_t N, const float *L,
-                       const float *At, float coef, float *y, int32_t *kept, float *dx, uint8_t *mark) {
-    const int64_t nb = K / QK, blocks = (N + BLOCK - 1) / BLOCK, sb = strip_bytes(Q8_0, K);
+static void argmax_marks(const float *x, int64_t K, int64_t N, const float *L, const float *At, const float *Ab,
+                         float coef, const float *y, int32_t *kept, float *dx, uint8_t *mark) {
+    const int64_t nb = K / QK, blocks = (N + BLOCK - 1) / BLOCK;
     int finite = 1;
-    float dmax = 0.0f;
+    int64_t b1 = 0, b2 = 0; /* the blocks of the largest and second largest scale */
+    float d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         float amax = 0.0f;
         for (int k = 0; k < QK; k++) {
@@ -578,9 +579,16 @@ static void argmax_row(const float *x, int64_t K, const uint8_t *packed, int64_t
             finite &= v - v == 0.0f;
             amax = fabsf(v) > amax ? fabsf(v) : amax;
         }
-        dx[b] = amax / 127.0f; /* the scale a8_linear.c's quantize_row gives the block */
-        dmax = dx[b] > dmax ? dx[b] : dmax;
+        float d = dx[b] = amax / 127.0f; /* the scale a8_linear.c's quantize_row gives the block */
+        if (d > d1) {
+            d3 = d2, d2 = d1, b2 = b1, d1 = d, b1 = b;
+        } else if (d > d2) {
+            d3 = d2, d2 = d, b2 = b;
+        } else if (d > d3) {
+            d3 = d;
+        }
     }
+    if (nb == 1) b2 = b1; /* (d2 = 0) */
     /* the row's largest value (NaN where one is not finite: v - v), then its first column */
     __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
     int64_t n = 0;
@@ -598,43 +606,45 @@ static void argmax_row(const float *x, int64_t K, const uint8_t *packed, int64_t
     int64_t top = 0;
     while (finite && top < N - 1 && y[top] != ymax) top++;
     memset(mark, !finite, blocks);
-    if (finite) {
+    if (!finite) return;
 #define E_OF(n) ({ float e_ = 0.0f; const float *a_ = At + (n) * nb; \
                    for (int64_t b_ = 0; b_ < nb; b_++) e_ += dx[b_] * a_[b_]; coef * e_; })
-        float best = y[top] - E_OF(top); /* a lower bound of the row's largest exact value */
-        const float c = coef * dmax * 1.0001f;
-        int64_t count = 0;
-        const __m256 vbest = _mm256_set1_ps(best), vc = _mm256_set1_ps(c);
-        for (int64_t n0 = 0; n0 < N; n0 += 8) {
-            int bits = 0xFF;
-            if (n0 + 8 <= N) {
-                __m256 ub = _mm256_add_ps(_mm256_loadu_ps(y + n0), _mm256_mul_ps(vc, _mm256_loadu_ps(L + n0)));
-                bits = _mm256_movemask_ps(_mm256_cmp_ps(ub, vbest, _CMP_GE_OQ));
-            }
-            for (; bits; bits &= bits - 1) {
-                int64_t n = n0 + __builtin_ctz(bits);
-                if (n >= N || y[n] + c * L[n] < best) continue;
-                float e = E_OF(n);
-                if (y[n] + e < best) continue;
-                if (y[n] - e > best) best = y[n] - e;
-                kept[count++] = (int32_t)n;
-            }
+    float best = y[top] - E_OF(top); /* a lower bound of the row's largest exact value */
+    /* the first test: every block's scale at most d3 but the two largest', so
+     * E <= c3 L + (c1 - c3) A[b1] + (c2 - c3) A[b2] (a hair more, for its own roundings) */
+    const float c3 = coef * d3 * 1.0001f, c1 = coef * d1 * 1.0001f - c3, c2 = coef * d2 * 1.0001f - c3;
+    const float *a1 = Ab + b1 * N, *a2 = Ab + b2 * N;
+    int64_t count = 0;
+    const __m256 vbest = _mm256_set1_ps(best), v1 = _mm256_set1_ps(c1), v2 = _mm256_set1_ps(c2),
+                 v3 = _mm256_set1_ps(c3);
+    for (int64_t n0 = 0; n0 < N; n0 += 8) {
+        int bits = 0xFF;
+        if (n0 + 8 <= N) {
+            __m256 ub = _mm256_fmadd_ps(v3, _mm256_loadu_ps(L + n0), _mm256_loadu_ps(y + n0));
+            ub = _mm256_fmadd_ps(v1, _mm256_loadu_ps(a1 + n0), ub);
+            ub = _mm256_fmadd_ps(v2, _mm256_loadu_ps(a2 + n0), ub);
+            bits = _mm256_movemask_ps(_mm256_cmp_ps(ub, vbest, _CMP_GE_OQ));
         }
-        for (int64_t i = 0; i < count; i++) {
-            int64_t n = kept[i];
-            if (y[n] + E_OF(n) >= best) mark[n / BLOCK] = 1;
+        for (; bits; bits &= bits - 1) {
+            int64_t n = n0 + __builtin_ctz(bits);
+            if (n >= N || y[n] + c3 * L[n] + c1 * a1[n] + c2 * a2[n] < best) continue;
+            float e = E_OF(n);
+            if (y[n] + e < best) continue;
+            if (y[n] - e > best) best = y[n] - e;
+            kept[count++] = (int32_t)n;
         }
-#undef E_OF
     }
-    for (int64_t b = 0; b < blocks; b++)
-        if (mark[b]) block_rows_Q8_0(x, 1, K, K, packed + b * (BLOCK / 8) * sb, NULL, NULL, b * BLOCK, N, y, N);
+    for (int64_t i = 0; i < count; i++) {
+        int64_t n = kept[i];
+        if (y[n] + E_OF(n) >= best) mark[n / BLOCK] = 1;
+    }
+#undef E_OF
 }
 
-/* A thread's scratch for argmax_row, kept between calls (a head's N and K do not change). */
+/* A thread's scratch for argmax_marks, kept between calls (a head's N and K do not change). */
 static __thread int32_t *kept_buf;
 static __thread float *dx_buf;
-static __thread uint8_t *mark_buf;
-static __thread int64_t kept_cap, dx_cap, mark_cap;
+static __thread int64_t kept_cap, dx_cap;
 static int grow(void **buf, int64_t *cap, int64_t want, size_t size) {
     if (*cap >= want) return 1;
     void *p = realloc(*buf, want * size);
@@ -644,25 +654,34 @@ static int grow(void **buf, int64_t *cap, int64_t want, size_t size) {
     return 1;
 }
 
-/* argmax_row for R rows of x (row stride ldx) and y (row stride ldy); returns the number of
- * blocks computed exactly (-1: out of memory). */
+/* For R rows of x (row stride ldx) and y (row stride ldy): every row's blocks to compute
+ * exactly (argmax_marks), then those (row, block) pairs, split over the threads; returns the
+ * number of blocks computed exactly (-1: out of memory). */
 int64_t q8_0_argmax_head(const float *x, int64_t R, int64_t K, int64_t ldx, const uint8_t *packed, int64_t N,
-                         const float *L, const float *At, float coef, float *y, int64_t ldy, int threads) {
+                         const float *L, const float *At, const float *Ab, float coef, float *y, int64_t ldy,
+                         int threads) {
     if (use_avx512 < 0) cpu_linear_wide(-1);
-    const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+    const int64_t blocks = (N + BLOCK - 1) / BLOCK, sb = strip_bytes(Q8_0, K);
+    uint8_t *mark = (uint8_t *)malloc(R * blocks);
+    if (!mark) return -1;
     int64_t exact = 0, failed = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : exact, failed) if (R > 1)
+#pragma omp parallel num_threads(threads) reduction(+ : exact, failed)
     {
         int ok = grow((void **)&kept_buf, &kept_cap, N, sizeof(int32_t)) &&
-                 grow((void **)&dx_buf, &dx_cap, K / QK, sizeof(float)) &&
-                 grow((void **)&mark_buf, &mark_cap, blocks, 1);
+                 grow((void **)&dx_buf, &dx_cap, K / QK, sizeof(float));
         failed += !ok;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < R; r++) {
-            if (!ok) continue;
-            argmax_row(x + r * ldx, K, packed, N, L, At, coef, y + r * ldy, kept_buf, dx_buf, mark_buf);
-            for (int64_t b = 0; b < blocks; b++) exact += mark_buf[b];
+        for (int64_t r = 0; r < R; r++)
+            if (ok) argmax_marks(x + r * ldx, K, N, L, At, Ab, coef, y + r * ldy, kept_buf, dx_buf, mark + r * blocks);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t i = 0; i < R * blocks; i++) {
+            if (failed || !mark[i]) continue;
+            int64_t r = i / blocks, b = i % blocks;
+            block_rows_Q8_0(x + r * ldx, 1, K, K, packed + b * (BLOCK / 8) * sb, NULL, NULL, b * BLOCK, N,
+                            y + r * ldy, N);
+            exact++;
         }
     }
+    free(mark);
     return failed ? -1 : exact;
 }

@@ -51,7 +51,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cpu_linear_wide.restype = ctypes.c_int
     lib.cpu_linear_direct_rows.argtypes = [ctypes.c_int]
     lib.cpu_linear_direct_rows.restype = ctypes.c_int
-    lib.q8_0_argmax_head.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, i64, ctypes.c_int]
+    lib.q8_0_argmax_head.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64,
+                                     ctypes.c_int]
     lib.q8_0_argmax_head.restype = i64
     # the emulated AVX2 machine (docs/benchmarks.md) keeps our kernels to AVX2 as well
     if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
@@ -358,6 +359,7 @@ class ArgmaxHead:
         self.in_features, self.out_features = k, n
         per_block = w.abs().view(n, k // QK, QK).sum(-1, dtype=torch.float64)  # exact: d * integers
         self.bounds = per_block.float().contiguous()  # [N, K / QK]
+        self.bounds_by_block = self.bounds.t().contiguous()  # [K / QK, N]
         self.norms = per_block.sum(-1).float().contiguous()  # [N]: sum |w| of a column
         # dx / 2 for rounding x to int8, plus both products' float32 roundings, with 2x margin
         self.coef = 0.501 + 2 * (k + 2 * k // QK + 4) * 2.0 ** -24 * 128
@@ -371,7 +373,8 @@ class ArgmaxHead:
         if rows.shape[0]:
             done = _kernel.lib.q8_0_argmax_head(
                 rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0), self.exact.packed.data_ptr(),
-                self.out_features, self.norms.data_ptr(), self.bounds.data_ptr(), ctypes.c_float(self.coef),
+                self.out_features, self.norms.data_ptr(), self.bounds.data_ptr(), self.bounds_by_block.data_ptr(),
+                ctypes.c_float(self.coef),
                 y.data_ptr(), self.out_features, torch.get_num_threads())
             if done < 0:
                 raise MemoryError(f"argmax head: no memory for {rows.shape[0]} rows")
