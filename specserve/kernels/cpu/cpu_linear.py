@@ -336,7 +336,6 @@ class PackedA8(_Packed):
         super().__init__(packed, shape, None, bias, getattr(_a8_kernel.lib, f"{fmt}_a8_linear"))
 
 
-
 class ArgmaxHead:
     """An LM head in Q8_0 blocks for rows whose only use is their argmax (greedy decoding and
     verification with nothing changing the logits): the int8-activation product (`pack_a8`,
@@ -346,7 +345,8 @@ class ArgmaxHead:
     exactly that of the full float32 product (`exact`'s, bit for bit where computed); its other
     values are the approximation's, below the largest, and not for any other use (logprobs,
     sampling, penalties, grammars take `exact`). `exact_blocks` counts the blocks computed
-    exactly, for benchmarks."""
+    exactly, for benchmarks. Memory: the int8 product's own copy of the blocks (1.06 bytes a
+    weight) and the per-block sums of |w| twice (8 bytes per column and block of 32)."""
 
     def __init__(self, exact: PackedFloat32, weight: torch.Tensor) -> None:
         if exact.format != "q8_0":
@@ -374,8 +374,7 @@ class ArgmaxHead:
             done = _kernel.lib.q8_0_argmax_head(
                 rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0), self.exact.packed.data_ptr(),
                 self.out_features, self.norms.data_ptr(), self.bounds.data_ptr(), self.bounds_by_block.data_ptr(),
-                ctypes.c_float(self.coef),
-                y.data_ptr(), self.out_features, torch.get_num_threads())
+                ctypes.c_float(self.coef), y.data_ptr(), self.out_features, torch.get_num_threads())
             if done < 0:
                 raise MemoryError(f"argmax head: no memory for {rows.shape[0]} rows")
             self.exact_blocks += done
