@@ -662,7 +662,7 @@ int64_t q8_0_argmax_head(const float *x, int64_t R, int64_t K, int64_t ldx, cons
                          int threads) {
     if (use_avx512 < 0) cpu_linear_wide(-1);
     const int64_t blocks = (N + BLOCK - 1) / BLOCK, sb = strip_bytes(Q8_0, K);
-    uint8_t *mark = (uint8_t *)malloc(R * blocks);
+    uint8_t *mark = (uint8_t *)calloc(R * blocks, 1); /* (a row a thread could not mark: none exact) */
     if (!mark) return -1;
     int64_t exact = 0, failed = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : exact, failed)
