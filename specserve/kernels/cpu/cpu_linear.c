@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define BLOCK 64 /* columns per block: 8 vectors of 8 floats */
 #define BUFFER_ROWS 13 /* the block formats' AVX2 direct tiles: 1 to 12 rows */
 
@@ -550,22 +552,13 @@ LINEAR(q8_0_linear, Q8_0)
  *     E[n] = sum over blocks b of (dx[b] / 2 + rounding) * A[n, b],   A[n, b] = sum_{k in b} |w[n, k]|
  * (the activations' rounding to int8 is at most dx / 2 a value; the float32 roundings of both
  * sums, at most (K + 2 * K / QK + 2) units in the last place of sum |x| |w| <= 127 dx A, come
- * to 0.005 dx A at K = 576: `coef` = 0.52 covers both for K up to ~2,000 with a margin).
- * So column n can hold the largest exact value only where y[n] + E[n] >= max over m of
- * (y[m] - E[m]). A cheap first test uses c * L[n] >= E[n] (c = coef * max_b dx[b], L the
- * column's sum of |w|); only the columns that pass it get their E. A row with a value that is
- * not finite (in x or y) is computed exactly in full. At = A transposed ([N, K / QK]). */
-static inline float hmax8(__m256 v) {
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-}
-static inline float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-
+ * to 0.005 dx A at K = 576: the caller's `coef` multiplies dx A and covers both, ArgmaxHead's
+ * with a 2x margin on the roundings: 0.510 at K = 576). So column n can hold the largest exact
+ * value only where y[n] + E[n] >= max over m of (y[m] - E[m]). A cheap first test, vectorized,
+ * takes every block's scale as the third largest but the two largest blocks' own (L the
+ * column's sum of |w|, Ab = A block by block [K / QK, N]); only the columns that pass it get
+ * their E (At = A column by column [N, K / QK]). A row with a value that is not finite (in x
+ * or y) is computed exactly in full. */
 static void argmax_marks(const float *x, int64_t K, int64_t N, const float *L, const float *At, const float *Ab,
                          float coef, const float *y, int32_t *kept, float *dx, uint8_t *mark) {
     const int64_t nb = K / QK, blocks = (N + BLOCK - 1) / BLOCK;
@@ -597,7 +590,7 @@ static void argmax_marks(const float *x, int64_t K, int64_t N, const float *L, c
         vmax = _mm256_max_ps(vmax, v);
         vnan = _mm256_add_ps(vnan, _mm256_sub_ps(v, v));
     }
-    float ymax = hmax8(vmax), nan = hsum8(vnan);
+    float ymax = hmax(vmax), nan = hsum(vnan);
     for (; n < N; n++) {
         ymax = y[n] > ymax ? y[n] : ymax;
         nan += y[n] - y[n];
