@@ -183,6 +183,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         seq_lens, row_start, num_rows, row_index, argmax_only = [], [], [], [], []
+        argmax_head = self.model.argmax_head is not None and self.tp is None  # (else: every row's full head)
         for req, n, k in zip(sched.requests, sched.num_tokens, sched.num_drafts):
             start, committed = req.num_computed_tokens, req.num_tokens
             ids += req.all_token_ids[start:min(start + n, committed)]  # slices, not a copy of all
@@ -194,14 +195,15 @@ class ModelRunner:
                 row_start.append(len(row_index))
                 num_rows.append(k + 1)
                 row_index += range(len(ids) - k - 1, len(ids))
-                argmax_only += [argmax_is_all(req.params)] * (k + 1)
+                if argmax_head:
+                    argmax_only += [argmax_is_all(req.params)] * (k + 1)
             else:
                 row_start.append(-1)
                 num_rows.append(0)
         if tree_parents is not None:  # tree nodes sit at prefix + depth, not prefix + index
             positions = tree_mask.tree_positions(positions, sched.num_tokens, tree_parents)
         step = (ids, positions, seq_lens, list(sched.num_tokens), [r.block_ids for r in sched.requests],
-                tree_parents, row_index, argmax_only)
+                tree_parents, row_index, argmax_only or None)
         # tensor parallel: every worker runs the same forward on these inputs (model/tp_worker.py)
         every, hidden, logits = self.forward(*step) if self.tp is None else self.tp.run("forward", self.forward, step)
         for hook in self.hidden_hooks:
@@ -237,7 +239,7 @@ class ModelRunner:
         final = every[:, :self.arch.hidden_size] if self.model.aux_layers else every
         hidden = (final.contiguous() if len(row_index) == len(ids)
                   else final.index_select(0, int_tensor(row_index, self.device)))
-        logits = self.model.compute_logits(hidden, argmax_only if self.tp is None else None)
+        logits = self.model.compute_logits(hidden, argmax_only)
         return every, hidden, logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
