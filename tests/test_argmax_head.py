@@ -120,11 +120,16 @@ def test_the_default_model_decodes_the_same_with_either_head(llm, make_llm):
     greedy = SamplingParams(temperature=0, max_tokens=24)
     mixed = [greedy, SamplingParams(temperature=0.8, seed=7, max_tokens=24),
              SamplingParams(temperature=0, max_tokens=24, logprobs=2)]
+    head = model.argmax_head
+    blocks = head.exact_blocks
     fast_plain = llm.generate(prompts, greedy)
+    assert head.exact_blocks > blocks  # greedy rows took the argmax head
+    blocks = head.exact_blocks
+    llm.generate(prompts[:2], mixed[1:])  # a sampled request and one with logprobs: the full head
+    assert head.exact_blocks == blocks
     fast_mixed = llm.generate(prompts, mixed)
     spec = make_llm(max_model_len=2048, speculative_config={"method": "ngram"})
     fast_spec = spec.generate(prompts, greedy)
-    head = model.argmax_head
     model.argmax_head = None
     try:
         full_plain = llm.generate(prompts, greedy)
