@@ -28,7 +28,9 @@
  * (scheduling only: no sum changes order), and the first head's passes ask for the whole
  * tokens' rows into L2 ahead of use (prefetch_token), so the cache is read in order and the
  * other heads find their rows there; every pass also asks for its own head's rows PREFETCH_KEYS
- * keys ahead (prefetch_row).
+ * keys ahead (prefetch_row). Not where a request's last partition holds under half a partition
+ * and there are fewer than two partitions a thread: one thread would take the full partition's
+ * heads while another had the few keys of the last.
  *
  * exp is a polynomial (exp_ps below): relative error ~2e-7 on the range softmax uses.
  */
@@ -42,7 +44,8 @@
 #define MAX_GROUP 16 /* query heads per KV head */
 #define MAX_ROWS 16 /* query tokens per request */
 #ifndef PARTITION
-#define PARTITION 512 /* keys of a task: a context of more is split, its partitions merged */
+#define PARTITION 256 /* keys of a task: a context of more is split, its partitions merged (one
+                         * request of 257-512 keys: six tasks for the threads, not three) */
 #endif
 #ifndef PREFETCH_KEYS
 #define PREFETCH_KEYS 32 /* how far ahead (keys) the passes ask for their key and value rows */
@@ -399,7 +402,7 @@ int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int
         }
     /* tasks: (request, KV head, partition of PARTITION keys of its rows' key lists); a request
      * whose rows all have at most PARTITION keys is one partition, written straight to out */
-    int64_t NP = 1, num_tasks = 0;
+    int64_t NP = 1, num_tasks = 0, short_tail = 0;
     int64_t *parts = malloc(sizeof(int64_t) * (size_t)(B + 1));
     if (!parts) return -1;
     parts[0] = 0;
@@ -411,6 +414,7 @@ int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int
         }
         const int64_t np = most > PARTITION ? (most + PARTITION - 1) / PARTITION : 1;
         NP = np > NP ? np : NP;
+        short_tail |= np > 1 && most - (np - 1) * PARTITION < PARTITION / 2; /* a last partition of few keys */
         parts[b + 1] = parts[b] + np;
     }
     num_tasks = parts[B] * Hkv;
@@ -427,7 +431,8 @@ int paged_attention(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int
         for (int64_t i = 0; i < T * Hq * NP; i++) part_m[i] = -INFINITY, part_l[i] = 0.0f;
     }
     int failed = 0;
-    const int64_t chunk = Hkv > 1 && num_tasks >= (int64_t)threads * Hkv ? Hkv : 1;
+    const int64_t chunk = Hkv > 1 && num_tasks >= (int64_t)threads * Hkv
+                          && (!short_tail || parts[B] >= 2 * (int64_t)threads) ? Hkv : 1;
 #pragma omp parallel num_threads(threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)(rows * max_keys + 8));

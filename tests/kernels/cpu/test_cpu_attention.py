@@ -140,11 +140,11 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(make_batch):
 
 
 def test_long_contexts_split_into_partitions_keep_every_rows_bits(make_batch):
-    """Contexts over the kernel's partition (512 keys) are split into tasks whose results are
+    """Contexts over the kernel's partition (256 keys) are split into tasks whose results are
     merged in a fixed order: rows of a request that straddles a partition boundary (a chain
-    from 509 keys, a tree from 1,020) match SDPA and have the same bits alone, in any batch, as
+    from 253 keys, a tree from 1,020) match SDPA and have the same bits alone, in any batch, as
     single-token decodes of their own length and with one thread."""
-    q_lens, prefix = [5, 1, 4, 1], [509, 1100, 1020, 7]
+    q_lens, prefix = [5, 1, 4, 1], [253, 1100, 1020, 7]
     trees = [None, None, [-1, 0, 0, 1], None]
     b = make_batch(q_lens, prefix, 9, 3, 64, 16, seed=11)
     backend = A.CPUPagedAttention()
@@ -154,7 +154,7 @@ def test_long_contexts_split_into_partitions_keep_every_rows_bits(make_batch):
     parts = {rows: attend(backend, b, q_lens, trees, list(rows)) for rows in ((0,), (2,), (1, 0), (3, 2))}
     expect = {rows: torch.cat([whole[starts[r]:starts[r + 1]] for r in rows]) for rows in parts}
     assert all(torch.equal(parts[rows], expect[rows]) for rows in parts)
-    # the chain's rows one at a time, as decodes of 510 .. 514 keys (one partition, then two)
+    # the chain's rows one at a time, as decodes of 254 .. 258 keys (one partition, then two)
     singles = []
     for i in range(q_lens[0]):
         one = dict(b, seq_lens=b["seq_lens"].clone())
@@ -164,6 +164,24 @@ def test_long_contexts_split_into_partitions_keep_every_rows_bits(make_batch):
         singles.append(attend(backend, one, [1] + q_lens[1:], [None] + trees[1:], [0]))
     assert torch.equal(torch.cat(singles), whole[starts[0]:starts[1]])
     assert torch.equal(one_thread(attend, backend, b, q_lens, trees), whole)
+
+
+def test_one_request_with_a_short_last_partition_keeps_its_bits(make_batch):
+    """One request whose rows see a little over a partition (300 keys: 256 and 44) runs with
+    its KV heads as tasks of their own, not a partition's heads in turn (scheduling only): its
+    rows match SDPA, and a tree of them has the bits of the same rows as decodes, and on one
+    thread."""
+    q_lens, prefix = [6], [296]
+    trees = [[-1, 0, 1, 0, 3, 4]]
+    b = make_batch(q_lens, prefix, 9, 3, 64, 16, seed=5)
+    backend = A.CPUPagedAttention()
+    chain = attend(backend, b, q_lens)
+    torch.testing.assert_close(chain, attend(A.TorchAttention(), b, q_lens), atol=1e-5, rtol=1e-5)
+    tree = attend(backend, b, q_lens, trees)
+    torch.testing.assert_close(tree, attend(A.TorchAttention(), b, q_lens, trees), atol=1e-5, rtol=1e-5)
+    # the tree's first path (nodes 0, 1, 2) sees what the chain's first rows see
+    assert torch.equal(tree[:3], chain[:3])
+    assert torch.equal(one_thread(attend, backend, b, q_lens, trees), tree)
 
 
 def test_auto_picks_the_kernel_for_float32_only(monkeypatch):
