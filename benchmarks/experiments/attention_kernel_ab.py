@@ -5,7 +5,11 @@ Every engine's decoder binds the kernel it was built with, so one process runs b
 
   - with --kernel, the kernel alone: 30 layers' calls (each its own cache, as a step reads them
     from memory) at a few batches, contexts and rows, the builds alternating, best of 7, the
-    default model's heads (9 query, 3 KV, 64 wide) and the bits compared;
+    default model's heads (9 query, 3 KV, 64 wide) and the bits compared; with --one-request,
+    the same for one request at 200 to 2,000 keys and 1 / 4 / 8 / 16 rows, median of 21;
+  - with --plain-long N ..., plain decoding alone of one request over prompts of N tokens, the
+    two builds alternated prompt by prompt (8 prompts, 128 tokens decoded whatever comes),
+    the median of this build's decode tok/s over the base build's;
   - bench load's closed loop (held-out prompts, prefix caching off, every engine's steps
     interleaved) for plain decoding and the default (EAGLE) at each --levels CONCURRENCY:REQUESTS;
   - with --long N ..., one request at a time over prompts of N tokens (held-out prompts joined),
@@ -17,7 +21,7 @@ Outputs are compared with this build's plain decoding (0 mismatches expected: th
 give the same bits).
 
     python benchmarks/experiments/attention_kernel_ab.py --base /tmp/base [--levels 1:16 4:24 16:32]
-        [--long 1000 2000 4000] [--agentic] [--kernel]
+        [--long 1000 2000 4000] [--agentic] [--kernel] [--one-request] [--plain-long 300 500 1000]
 """
 
 from __future__ import annotations
@@ -61,8 +65,13 @@ KERNEL_CASES = [(1, 300, 1), (1, 300, 4), (1, 500, 1), (1, 500, 4), (1, 700, 1),
                 (64, 300, 1)]  # (requests, keys, rows each)
 
 
-def kernel_ab(libs: dict) -> None:
-    """The kernel alone, each build in turn (libs: name -> loaded library), per KERNEL_CASES."""
+ONE_REQUEST_CASES = [(1, keys, rows) for keys in (200, 300, 400, 500, 700, 1000, 2000) for rows in (1, 4, 8, 16)]
+
+
+def kernel_ab(libs: dict, cases=KERNEL_CASES, runs: int = 7, median: bool = False) -> None:
+    """The kernel alone, each build in turn (libs: name -> loaded library), per case (requests,
+    keys, rows each): the best of `runs`, or their median."""
+    import statistics
     import time
 
     import torch
@@ -71,8 +80,9 @@ def kernel_ab(libs: dict) -> None:
 
     heads, kv_heads, dim, layers, block = 9, 3, 64, 30, 16
     names = list(libs)
-    print(f"the kernel alone, {layers} layers' calls, ms (best of 7): " + " / ".join(names))
-    for b, keys, rows in KERNEL_CASES:
+    print(f"the kernel alone, {layers} layers' calls, ms ({'median' if median else 'best'} of {runs}): "
+          + " / ".join(names))
+    for b, keys, rows in cases:
         per = (keys + rows) // block + 1
         k_caches = torch.randn(layers, b * per, block, kv_heads, dim)
         v_caches = torch.randn(layers, b * per, block, kv_heads, dim)
@@ -80,14 +90,15 @@ def kernel_ab(libs: dict) -> None:
         rest = (torch.arange(b * per).view(b, per), torch.arange(b + 1) * rows,
                 torch.arange(keys + 1, keys + rows + 1).repeat(b), torch.zeros(b * rows + 1, dtype=torch.int64),
                 torch.zeros(0, dtype=torch.int64), keys + rows, dim ** -0.5)
-        best, outs = dict.fromkeys(names, float("inf")), {}
-        for _ in range(7):
+        times, outs = {name: [] for name in names}, {}
+        for _ in range(runs):
             for name in names:
                 with kernel_build(libs[name]):
                     start = time.perf_counter()
                     for i in range(layers):
                         outs[name] = cpu_attention.paged_attention(q, k_caches[i], v_caches[i], *rest)
-                    best[name] = min(best[name], time.perf_counter() - start)
+                    times[name].append(time.perf_counter() - start)
+        best = {name: statistics.median(t) if median else min(t) for name, t in times.items()}
         same = all(torch.equal(outs[names[0]], o) for o in outs.values())
         print(f"  {b:3d} requests x {keys:5d} keys, {rows} rows: "
               + " / ".join(f"{best[n] * 1e3:6.2f}" for n in names)
@@ -115,6 +126,36 @@ def long_contexts(engines: dict, ids: list[list[int]], args) -> None:
             f"drafts; {t.mismatches} mismatches)" for m, t in tallies.items()), flush=True)
 
 
+def plain_long(base, this, lengths: list[int], prompts: int = 8) -> None:
+    """--plain-long: plain decoding of one request over prompts of each length (the held-out
+    prompts joined), the two builds alternated prompt by prompt, 128 tokens decoded whatever
+    comes; the median of this build's decode tok/s over the base build's."""
+    import statistics
+
+    from specserve import SamplingParams
+    from specserve.bench.load import encode, load_prompts
+    from specserve.bench.spec import Tally, _run_turn
+
+    engines = {name: engine_with(lib, speculative_config=None, max_model_len=4096, enable_prefix_caching=False)
+               for name, lib in (("base", base), ("this", this))}
+    ids = encode(engines["this"], load_prompts("heldout"), 128, 2048)
+    joined = [t for one in ids for t in one]
+    joined *= 1 + (max(lengths, default=0) + 200 + 131 * prompts) // len(joined)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    for n in lengths:
+        ratios, tps = [], {name: [] for name in engines}
+        for i in range(prompts):
+            order = ["base", "this"] if i % 2 == 0 else ["this", "base"]
+            tallies = {name: Tally() for name in order}
+            _run_turn({name: engines[name] for name in order}, tallies, joined[i * 131:i * 131 + n], params)
+            ratios.append(tallies["this"].decode_tps / tallies["base"].decode_tps)
+            for name in order:
+                tps[name].append(tallies[name].decode_tps)
+        print(f"plain decoding, prompts of {n} tokens, one request: base {statistics.median(tps['base']):.1f} / "
+              f"this {statistics.median(tps['this']):.1f} tok/s, median ratio {statistics.median(ratios):.3f}",
+              flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, type=Path, help="a folder holding the other paged_attention.c")
@@ -123,6 +164,10 @@ def main() -> None:
     p.add_argument("--long-requests", type=int, default=3, help="prompts per --long length")
     p.add_argument("--agentic", action="store_true", help="also the agentic conversations at batch 1")
     p.add_argument("--kernel", action="store_true", help="also the kernel alone")
+    p.add_argument("--one-request", action="store_true",
+                   help="also the kernel alone for one request at 200-2,000 keys, 1-16 rows (median of 21)")
+    p.add_argument("--plain-long", nargs="*", type=int, default=[],
+                   help="prompt lengths for plain decoding of one request, the builds alternated")
     p.add_argument("--max-tokens", type=int, default=128)
     args = p.parse_args()
 
@@ -138,6 +183,10 @@ def main() -> None:
     base.paged_attention_wide(int(cpu_attention.wide()))
     if args.kernel:
         kernel_ab({"base": base, "this": this})
+    if args.one_request:
+        kernel_ab({"base": base, "this": this}, ONE_REQUEST_CASES, runs=21, median=True)
+    if args.plain_long:
+        plain_long(base, this, args.plain_long)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     pairs = levels(args.levels)
     if pairs or args.long:
