@@ -167,10 +167,10 @@ def test_long_contexts_split_into_partitions_keep_every_rows_bits(make_batch):
 
 
 def test_one_request_with_a_short_last_partition_keeps_its_bits(make_batch):
-    """One request whose rows see a little over a partition (300 keys: 256 and 44) runs with
-    its KV heads as tasks of their own, not a partition's heads in turn (scheduling only): its
-    rows match SDPA, and a tree of them has the bits of the same rows as decodes, and on one
-    thread."""
+    """One request whose rows see a little over a partition (~300 keys: 256 and a short last
+    partition): on two threads its KV heads are tasks of their own, on one thread a partition's
+    heads are taken in turn; the rows match SDPA, a tree's first path has the chain's bits, and
+    both schedules give the same bits."""
     q_lens, prefix = [6], [296]
     trees = [[-1, 0, 1, 0, 3, 4]]
     b = make_batch(q_lens, prefix, 9, 3, 64, 16, seed=5)
